@@ -1,0 +1,50 @@
+"""The `clustertrain` command line. Each command lives in its own module; user errors exit 2 in one line.
+
+    clustertrain train                              # the embedded default: a tiny Llama on Python's stdlib
+    clustertrain train configs/tiny-llama.yaml --nproc 2 --set optim.lr=1e-3
+    torchrun --nproc_per_node 8 -m clustertrain train configs/tiny-llama.yaml
+    srun -N 2 --ntasks-per-node 8 clustertrain train configs/tiny-llama.yaml
+    clustertrain config show configs/tiny-llama.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from clustertrain.errors import UserError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from clustertrain.cli import config_cmd, train_cmd
+
+    parser = argparse.ArgumentParser(
+        prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in (train_cmd, config_cmd):
+        module.add_parser(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and run the command; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except UserError as e:
+        if _is_rank0() or getattr(args, "log_all_ranks", False):
+            print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _is_rank0() -> bool:
+    from clustertrain.dist.env import detect_launcher
+
+    try:
+        return detect_launcher().rank == 0
+    except UserError:
+        return True

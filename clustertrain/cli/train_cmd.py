@@ -1,0 +1,69 @@
+"""`clustertrain train [CONFIG]`: train under whatever launcher started this process, or --nproc local ranks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("train", help="train a model from a config (no config: the embedded default)")
+    parser.add_argument("config", nargs="?", help="YAML or TOML config; omit for the embedded default")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=3e-4")
+    parser.add_argument("--nproc", type=int, default=None, help="start this many local ranks (like torchrun)")
+    parser.add_argument("--resume", default=None, help="auto, none, or a checkpoint path (sets train.resume)")
+    parser.add_argument("--log-all-ranks", action="store_true", help="let every rank print (debug hangs)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from clustertrain.config.load import load_config
+    from clustertrain.errors import ConfigError
+
+    overrides = [*args.set, *([f"train.resume={args.resume}"] if args.resume else [])]
+    config = load_config(args.config, overrides)  # fail fast, before any rank starts
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
+        from clustertrain.dist.spawn import spawn_local
+
+        argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
+        return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []))
+
+    from clustertrain.train.trainer import Trainer
+
+    summary = Trainer(config).run()
+    if summary and _rank0():
+        print_summary(summary)
+    return 0
+
+
+def print_summary(summary) -> None:
+    """The end-of-run report: where things are, how the loss moved, what the model writes."""
+    from rich.console import Console
+    from rich.text import Text
+
+    console = Console(highlight=False)
+    rows = [
+        ("run directory", str(summary.run_dir)),
+        ("checkpoint", str(summary.checkpoint) if summary.checkpoint else "-"),
+        ("metrics", f"{summary.run_dir / 'metrics.jsonl'}  (TensorBoard: {summary.run_dir / 'tensorboard'})"),
+    ]
+    if summary.first_loss is not None:
+        loss = f"{summary.first_loss:.3f} at the first log -> {summary.last_loss:.3f} at step {summary.steps}"
+        if summary.eval_loss is not None:
+            loss += f"  (held-out {summary.eval_loss:.3f})"
+        rows.append(("loss", loss))
+    if summary.sample:
+        rows.append(("sample", summary.sample.replace("\n", "\n" + " " * 15)))
+    for name, value in rows:
+        console.print(Text.assemble((f"{name:>13}", "bold"), "  ", value), soft_wrap=True)
+    sys.stdout.flush()
+
+
+def _rank0() -> bool:
+    import torch.distributed as dist
+
+    from clustertrain.dist.env import detect_launcher
+
+    return detect_launcher().rank == 0 if not dist.is_initialized() else dist.get_rank() == 0

@@ -1,0 +1,131 @@
+"""The run config: one typed schema, one section per component.
+
+Each component receives only its own section. Field descriptions double as the config reference
+(`docs/config.md` is generated from them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    arch: str = Field("llama", description="HF model type to build from scratch (llama, gpt2, opt, qwen2, mistral, ...).")
+    config: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "hidden_size": 128,
+            "intermediate_size": 344,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 1024,
+        },
+        description="HF config fields for `arch`, e.g. hidden_size; vocab_size comes from the tokenizer.",
+    )
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+
+
+class SourceConfig(Section):
+    format: Literal["stdlib", "text"] = Field(
+        "stdlib", description="`stdlib`: the running Python's standard-library sources (every machine has them); "
+        "`text`: local .txt files."
+    )
+    path: str | None = Field(None, description="File, directory or glob (for `text`).")
+    max_bytes: int = Field(4_000_000, gt=0, description="Read at most this many bytes from the source.")
+
+    @model_validator(mode="after")
+    def _path_needed(self) -> SourceConfig:
+        if self.format == "text" and not self.path:
+            raise ValueError("format 'text' needs a path (a file, directory or glob)")
+        return self
+
+
+class DataConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()], min_length=1)
+    seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
+    tokenizer: str | None = Field(
+        None, description="HF tokenizer directory; empty: train a byte-level BPE on the sources and cache it."
+    )
+    vocab_size: int = Field(4096, ge=300, description="Vocabulary size of a tokenizer trained locally.")
+    eval_fraction: float = Field(0.01, ge=0, lt=0.5, description="Share of sequences held out for evaluation.")
+    cache_dir: str | None = Field(None, description="Tokenizer and token caches; default ~/.cache/clustertrain.")
+
+
+class ParallelConfig(Section):
+    strategy: Literal["ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3"] = Field(
+        "ddp",
+        description="Data parallelism: DDP, FSDP2 grad-op shard (zero2), FSDP2 full shard (zero3), or their hybrid "
+        "forms (replicate across groups, shard within).",
+    )
+    hybrid_shard_size: int | None = Field(
+        None, gt=0, description="Ranks per shard group for hybrid strategies; default: the ranks of one node."
+    )
+    param_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl (RCCL on ROCm) on GPUs, gloo on CPU.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    timeout_minutes: float = Field(10, gt=0, description="Collective timeout before a hung rank fails the run.")
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.1, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
+    warmup_steps: int = Field(20, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine, linear).")
+
+
+class TrainConfig(Section):
+    run_dir: str | None = Field(None, description="Run directory; default runs/<config name>.")
+    steps: int | None = Field(300, gt=0, description="Optimizer steps; or set `tokens`.")
+    tokens: int | None = Field(None, gt=0, description="Token budget; overrides `steps` when set.")
+    global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, whatever the rank count.")
+    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward on one rank.")
+    seed: int = 1234
+    resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
+    stop_after_steps: int | None = Field(
+        None, gt=0, description="End this run after this many steps (with a checkpoint); the schedule is unchanged."
+    )
+    eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
+    eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
+    sample_tokens: int = Field(40, ge=0, description="Tokens of the sample generated at the end; 0 disables.")
+
+
+class CheckpointConfig(Section):
+    every: int = Field(100, ge=0, description="Save every N steps (0: only at the end).")
+
+
+class MetricsConfig(Section):
+    log_every: int = Field(10, gt=0)
+    tensorboard: bool = True
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    peak_flops: float | None = Field(
+        None, gt=0, description="Peak FLOP/s per device for MFU; default: known GPUs from a table, CPUs measured."
+    )
+
+
+class RunConfig(Section):
+    name: str = Field("default", description="Run name; the config file's stem unless set.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.run_dir or f"runs/{self.name}")

@@ -1,0 +1,71 @@
+"""Start the process group: pick the device and backend, set CPU threads, apply the timeout."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from clustertrain.config.schema import ParallelConfig
+from clustertrain.dist.env import RankInfo
+from clustertrain.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def pick_device(parallel: ParallelConfig, info: RankInfo) -> torch.device:
+    """cuda:<local rank> on GPU nodes (ROCm builds report as cuda too), else cpu."""
+    use_cuda = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("parallel.device = 'cuda' but this torch build sees no GPU; use auto or cpu")
+    return torch.device("cuda", info.local_rank % torch.cuda.device_count())
+
+
+def init_distributed(parallel: ParallelConfig, info: RankInfo) -> torch.device:
+    """Initialize torch.distributed for this rank (also for a single process) and return its device."""
+    device = pick_device(parallel, info)
+    backend = parallel.backend if parallel.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError("parallel.backend = 'nccl' needs GPUs; use gloo (or auto) on CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # Ranks on one node share its cores; oversubscribing them slows every rank down.
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_world_size))
+    timeout = timedelta(minutes=parallel.timeout_minutes)
+    if info.world_size == 1:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
+        )
+    return device
+
+
+def close_distributed() -> None:
+    """Tear the process group down if one is up."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank0_first(build: Callable[[], T]) -> T:
+    """Run `build` on rank 0 first (it fills shared caches), then on the other ranks, which find them ready."""
+    if dist.get_rank() == 0:
+        try:
+            return build()
+        finally:
+            dist.barrier()  # also on failure: the others then meet the same error instead of hanging
+    dist.barrier()
+    return build()

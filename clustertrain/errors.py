@@ -1,0 +1,23 @@
+"""User errors: the only exceptions the CLI shows without a traceback (exit code 2)."""
+
+
+class UserError(Exception):
+    """A problem with the user's input: config, files, data, flags. The message is one line per problem."""
+
+    exit_code = 2
+
+
+class ConfigError(UserError):
+    """A config key or value is wrong."""
+
+
+class DataError(UserError):
+    """A data file is missing or malformed."""
+
+
+class LaunchError(UserError):
+    """The launcher environment is inconsistent or incomplete."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint is missing, incomplete or does not fit the run."""

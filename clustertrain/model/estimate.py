@@ -1,0 +1,264 @@
+"""The model's accounting: parameter counts, training FLOPs per token, peak FLOP/s per device.
+
+MFU (model FLOPs utilization, PaLM appendix B) is
+
+    mfu = flops_per_token * tokens_per_second / (peak_flops * n_devices)
+
+where ``flops_per_token`` counts the matmul FLOPs of one forward + backward pass of one
+token (no activation-recompute FLOPs, which is what makes it *model* FLOPs) and
+``peak_flops`` is the vendor's dense (no 2:4 sparsity) peak of one torch device.
+On a CPU there is no meaningful datasheet number, so the peak is *measured* with a
+dense matmul benchmark (:func:`measure_cpu_peak`); a CPU MFU is therefore relative to
+what this process can achieve on this machine, not to a theoretical peak.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+# Substrings of module names that mark a learned position-embedding table
+# (OPT "embed_positions", BERT "position_embeddings", GPT-2/nanoGPT "wpe").
+_POSITION_NAME_HINTS = ("pos", "position", "wpe")
+
+
+def _input_embedding_params(model: nn.Module) -> dict[int, nn.Parameter]:
+    """Parameters of the input token embedding and any learned position-embedding tables, by id."""
+    found: dict[int, nn.Parameter] = {}
+    get_input = getattr(model, "get_input_embeddings", None)
+    if callable(get_input):
+        try:
+            emb = get_input()
+        except NotImplementedError:
+            emb = None
+        if emb is not None:
+            for p in emb.parameters():
+                found[id(p)] = p
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, nn.Embedding) and any(h in leaf for h in _POSITION_NAME_HINTS):
+            for p in module.parameters():
+                found[id(p)] = p
+    return found
+
+
+def count_params(model: nn.Module) -> dict[str, int]:
+    """Counts a model's parameters, each shared (tied) tensor once.
+
+    Works on meta-device models and on FSDP2-sharded models: ``DTensor.numel()`` is the
+    global (unsharded) size, so every rank gets the same full-model numbers.
+
+    Args:
+        model: Any module; Hugging Face models get their embeddings found via
+            ``get_input_embeddings``/``get_output_embeddings``.
+
+    Returns:
+        ``total``: all unique parameters. ``trainable``: those with ``requires_grad``.
+        ``embedding``: input token + learned position-embedding tables.
+        ``flops_params``: parameters that cost matmul FLOPs per token (nanoGPT's N):
+        ``total - embedding``, plus the lm_head size when the head is tied to the input
+        embedding (the lookup is free, but the tied output projection is a real matmul).
+    """
+    unique: dict[int, nn.Parameter] = {}
+    for p in model.parameters():
+        unique.setdefault(id(p), p)
+    total = sum(p.numel() for p in unique.values())
+    trainable = sum(p.numel() for p in unique.values() if p.requires_grad)
+    emb = _input_embedding_params(model)
+    embedding = sum(p.numel() for p in emb.values())
+    flops_params = total - embedding
+    get_output = getattr(model, "get_output_embeddings", None)
+    head_weight = getattr(get_output() if callable(get_output) else None, "weight", None)
+    if head_weight is not None and id(head_weight) in emb:  # tied lm_head
+        flops_params += head_weight.numel()
+    return {
+        "total": total,
+        "trainable": trainable,
+        "embedding": embedding,
+        "flops_params": flops_params,
+    }
+
+
+def flops_per_token(flops_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token.
+
+    ``6·N + 12·L·H·Q·T`` (PaLM, Chowdhery et al. 2022, appendix B; as in nanoGPT's
+    ``estimate_mfu``): each of the N matmul parameters costs 2 FLOPs forward and 4
+    backward; attention scores and the weighted sum of values add ``2·2·H·Q·T`` per layer
+    forward, times 3 for forward + backward. Causal masking is not discounted, by
+    convention.
+
+    Args:
+        flops_params: N, from :func:`count_params` (``flops_params``).
+        n_layers: L, transformer blocks.
+        n_heads: H, query heads.
+        head_dim: Q, dimension of one head.
+        seq_len: T, tokens per sequence.
+    """
+    return 6.0 * flops_params + 12.0 * n_layers * n_heads * head_dim * seq_len
+
+
+def _config_attr(config: object, names: tuple[str, ...]) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
+    """:func:`flops_per_token` for a Hugging Face causal LM, reading L/H/Q from ``model.config``.
+
+    Raises:
+        ValueError: if the config lacks the layer/head/hidden sizes.
+    """
+    config = model.config
+    if callable(getattr(config, "get_text_config", None)):
+        config = config.get_text_config()
+    n_layers = _config_attr(config, ("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    n_heads = _config_attr(config, ("num_attention_heads", "n_head", "num_heads", "n_heads"))
+    hidden = _config_attr(config, ("hidden_size", "n_embd", "d_model", "dim"))
+    head_dim = _config_attr(config, ("head_dim",))
+    if head_dim is None and hidden is not None and n_heads is not None:
+        head_dim = hidden // n_heads
+    if n_layers is None or n_heads is None or head_dim is None:
+        raise ValueError(
+            f"cannot read layers/heads/head_dim from {type(config).__name__}: "
+            f"got n_layers={n_layers}, n_heads={n_heads}, head_dim={head_dim}"
+        )
+    n = count_params(model)["flops_params"]
+    return flops_per_token(n, n_layers, n_heads, head_dim, seq_len)
+
+
+class _Peak(NamedTuple):
+    pattern: str  # case-insensitive substring of torch.cuda.get_device_name()
+    bf16: float | None
+    fp32: float | None  # TF32 tensor cores on NVIDIA (Ampere+), FP32 matrix cores on AMD
+    fp16: float | None = None  # None: same as bf16
+
+
+# Dense peak FLOP/s of ONE torch device, no 2:4 sparsity (datasheets print sparse numbers
+# with an asterisk; these are half of those). First match wins, so more specific names
+# come first: "GH200" contains "H200", "GB200" contains "B200", "L40S" contains "L4".
+_PEAKS: tuple[_Peak, ...] = (
+    # NVIDIA H100 datasheet: H100 NVL BF16 1,671* / TF32 835* TFLOPS (per GPU).
+    _Peak("h100 nvl", 835.5e12, 417.5e12),
+    # NVIDIA H100 datasheet: H100 PCIe BF16 1,513* / TF32 756* TFLOPS.
+    _Peak("h100 pcie", 756e12, 378e12),
+    # NVIDIA GH200 datasheet: same Hopper GPU as H100 SXM, BF16 1,979* / TF32 989*.
+    _Peak("gh200", 989e12, 494.5e12),
+    # NVIDIA H100 datasheet: H100 SXM BF16 1,979* / TF32 989* ("NVIDIA H100 80GB HBM3").
+    _Peak("h100", 989e12, 494.5e12),
+    # NVIDIA H200 datasheet: H200 NVL BF16 1,671* / TF32 835*.
+    _Peak("h200 nvl", 835.5e12, 417.5e12),
+    # NVIDIA H200 datasheet: H200 SXM BF16 1,979* / TF32 989*.
+    _Peak("h200", 989e12, 494.5e12),
+    # NVIDIA GB200 NVL72 datasheet: 360 PF BF16* / 180 PF TF32* for 72 GPUs.
+    _Peak("gb200", 2500e12, 1250e12),
+    # NVIDIA HGX B200 datasheet: 36 PF BF16* / 18 PF TF32* for 8 GPUs.
+    _Peak("b200", 2250e12, 1125e12),
+    # NVIDIA A100 datasheet (SXM and PCIe): BF16 312 / TF32 156 dense.
+    _Peak("a100", 312e12, 156e12),
+    # NVIDIA publishes no A10G datasheet; AWS EC2 G5 figures: 70 TFLOPS FP16 tensor, 35 TF32.
+    _Peak("a10g", 70e12, 35e12),
+    # NVIDIA A10 datasheet: BF16 125 / TF32 62.5 dense (after "a100"/"a10g": substring).
+    _Peak("a10", 125e12, 62.5e12),
+    # NVIDIA L40S datasheet: BF16 362.05 / TF32 183 dense.
+    _Peak("l40s", 362.05e12, 183e12),
+    # NVIDIA L40 datasheet: BF16 181.05 / TF32 90.5 dense.
+    _Peak("l40", 181.05e12, 90.5e12),
+    # NVIDIA L4 datasheet: BF16 242* / TF32 120* TFLOPS.
+    _Peak("l4", 121e12, 60e12),
+    # NVIDIA V100 datasheet: FP16 tensor / FP32 TFLOPS, SXM2 125 / 15.7, PCIe 112 / 14,
+    # V100S 130 / 16.4. No BF16 tensor cores (and no TF32), so no bf16 peak.
+    _Peak("v100s", None, 16.4e12, fp16=130e12),
+    _Peak("v100-pcie", None, 14e12, fp16=112e12),
+    _Peak("v100", None, 15.7e12, fp16=125e12),
+    # AMD MI250X datasheet: BF16 383 / FP32 matrix 95.7 TFLOPS for 2 GCDs; one GCD is one
+    # torch device. ROCm may report "AMD Instinct MI250X / MI250": matched as MI250X.
+    _Peak("mi250x", 191.5e12, 47.9e12),
+    # AMD MI250 datasheet: BF16 362.1 / FP32 matrix 90.5 TFLOPS for 2 GCDs.
+    _Peak("mi250", 181.05e12, 45.25e12),
+    # AMD MI210 datasheet: BF16 181 / FP32 matrix 45.3 TFLOPS (one GCD).
+    _Peak("mi210", 181e12, 45.3e12),
+    # AMD MI300X datasheet: BF16 1,307.4 / FP32 matrix 163.4 TFLOPS dense.
+    _Peak("mi300x", 1307.4e12, 163.4e12),
+    # AMD MI300A datasheet: BF16 980.6 / FP32 matrix 122.6 TFLOPS dense.
+    _Peak("mi300a", 980.6e12, 122.6e12),
+    # AMD MI325X datasheet: BF16 1,307.4 / FP32 matrix 163.4 TFLOPS dense.
+    _Peak("mi325x", 1307.4e12, 163.4e12),
+)
+
+
+def peak_flops_for_name(name: str, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of the accelerator called ``name`` for matmuls in ``dtype``.
+
+    Args:
+        name: A device name as ``torch.cuda.get_device_name`` reports it, e.g.
+            ``"NVIDIA H100 80GB HBM3"``; matched case-insensitively by substring.
+        dtype: ``bfloat16``, ``float16`` or ``float32`` (float32 means the TF32 rate on
+            NVIDIA, which assumes TF32 matmuls are allowed).
+
+    Returns:
+        FLOP/s, or None for an unknown device or a dtype the table has no number for.
+    """
+    lowered = name.lower()
+    for row in _PEAKS:
+        if row.pattern in lowered:
+            if dtype == torch.bfloat16:
+                return row.bf16
+            if dtype == torch.float16:
+                return row.fp16 if row.fp16 is not None else row.bf16
+            if dtype == torch.float32:
+                return row.fp32
+            return None
+    return None
+
+
+def peak_flops(device: torch.device | str, dtype: torch.dtype) -> float | None:
+    """Peak FLOP/s of one device: the datasheet table for GPUs, a measurement for the CPU.
+
+    Returns:
+        FLOP/s, or None for an unknown GPU or a device type without a number (e.g. MPS).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return measure_cpu_peak(dtype)
+    if device.type == "cuda":  # ROCm builds report AMD GPUs as "cuda" too
+        return peak_flops_for_name(torch.cuda.get_device_name(device), dtype)
+    return None
+
+
+def measure_cpu_peak(dtype: torch.dtype = torch.float32, seconds: float = 0.25) -> float:
+    """Measured achievable dense matmul FLOP/s of this process on the CPU.
+
+    Times repeated square matmuls for about ``seconds`` after one warm-up call. The result
+    is cached per ``(dtype, torch.get_num_threads(), seconds)``, so a training loop can
+    call this every step. CPU MFU is relative to this measured peak, not to a datasheet.
+    """
+    return _measure_cpu_peak(dtype, torch.get_num_threads(), seconds)
+
+
+@functools.lru_cache(maxsize=None)
+def _measure_cpu_peak(dtype: torch.dtype, num_threads: int, seconds: float) -> float:
+    del num_threads  # only part of the cache key: the measurement uses the current setting
+    # 1024 keeps fp32 matmuls compute-bound; low-precision CPU kernels can be far slower
+    # (no AMX/AVX512-BF16), so they get 512 to keep one call short.
+    n = 1024 if dtype in (torch.float32, torch.float64) else 512
+    with torch.no_grad():
+        a = torch.randn(n, n, dtype=torch.float32).to(dtype)
+        b = torch.randn(n, n, dtype=torch.float32).to(dtype)
+        out = torch.empty(n, n, dtype=dtype)
+        torch.matmul(a, b, out=out)  # warm-up: thread pool start, kernel selection
+        best = float("inf")
+        deadline = time.perf_counter() + seconds
+        while best == float("inf") or time.perf_counter() < deadline:
+            start = time.perf_counter()
+            torch.matmul(a, b, out=out)
+            best = min(best, time.perf_counter() - start)
+    # The fastest call is the achievable peak; slower ones measured a busy machine, not the CPU.
+    return 2.0 * n**3 / best

@@ -1,0 +1,253 @@
+"""Metric sinks for the training loop: JSONL, TensorBoard and a console progress display.
+
+Only rank 0 talks: other ranks build the logger with ``enabled=False`` and every call is a
+no-op. ``step`` is the number of completed optimizer steps (1-based), so a run resumed
+from a checkpoint at ``start_step`` logs steps ``start_step + 1 ..``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+_PROGRESS_MODES = ("auto", "bar", "lines", "none")
+
+
+def _si(value: float) -> str:
+    """12345 -> '12.3k'."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{suffix}"
+    return f"{value:.0f}"
+
+
+def format_duration(seconds: float) -> str:
+    """80 -> '1m20s', 7500 -> '2h05m', 190000 -> '2d04h'."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+# (metric key, formatter) in display order.
+_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("loss", lambda v: f"loss {v:.4f}"),
+    ("lr", lambda v: f"lr {v:.2e}"),
+    ("grad_norm", lambda v: f"gnorm {v:.2f}"),
+    ("tokens_per_s", lambda v: f"{_si(v)} tok/s"),
+    ("mfu", lambda v: f"mfu {100 * v:.1f}%"),
+    ("mem_gb", lambda v: f"mem {v:.2f} GB"),
+    ("eval_loss", lambda v: f"eval_loss {v:.4f}"),
+    ("eval_ppl", lambda v: f"eval_ppl {v:.2f}"),
+)
+_BAR_KEYS = ("loss", "tokens_per_s")
+
+
+def format_line(
+    step: int,
+    total_steps: int,
+    metrics: dict[str, Any],
+    eta_s: float | None,
+    *,
+    keys: tuple[str, ...] | None = None,
+) -> str:
+    """One human line for a log call, e.g. ``step  10/300 | loss 5.1234 | ... | eta 1m20s``.
+
+    Args:
+        step: Completed steps.
+        total_steps: Steps in the whole run.
+        metrics: Metric values; absent or None known keys are skipped, unknown keys ignored.
+        eta_s: Seconds to the end of the run, or None (not shown).
+        keys: Restrict to these known keys (the progress bar shows fewer).
+    """
+    width = len(str(total_steps))
+    parts = [f"step {step:>{width}}/{total_steps}"]
+    for key, fmt in _FIELDS:
+        if keys is not None and key not in keys:
+            continue
+        value = metrics.get(key)
+        if value is not None:
+            parts.append(fmt(value))
+    if eta_s is not None:
+        parts.append(f"eta {format_duration(eta_s)}")
+    return " | ".join(parts)
+
+
+def _plain(value: Any) -> Any:
+    """Tensors / numpy scalars -> Python numbers, so json and TensorBoard take them."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else value
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Reads a metrics file; a truncated last line (killed mid-write) is dropped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break
+            raise
+    return records
+
+
+class MetricsLogger:
+    """Writes each ``log`` call to ``run_dir/metrics.jsonl``, TensorBoard and the console.
+
+    Args:
+        run_dir: Directory for ``metrics.jsonl`` and ``tensorboard/``; created if missing.
+        total_steps: Steps in the whole run, for the progress display and the ETA.
+        start_step: Steps already done (resume); the bar starts there.
+        enabled: False on non-zero ranks: nothing is written or printed.
+        tensorboard: Also write TensorBoard scalars.
+        progress: "auto" (a rich bar on a terminal, plain lines otherwise), "bar",
+            "lines" or "none" (no progress output; files and ``info`` lines still go out).
+        jsonl_name: File name of the JSONL log inside ``run_dir``.
+        console: Console to print to (default: a new one on stdout).
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        progress: str = "auto",
+        jsonl_name: str = "metrics.jsonl",
+        console: Console | None = None,
+    ) -> None:
+        if progress not in _PROGRESS_MODES:
+            raise ValueError(f"progress must be one of {_PROGRESS_MODES}, got {progress!r}")
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self._closed = False
+        self._anchor: tuple[float, int] | None = None  # (time, step) of the first log call
+        self._eta_s: float | None = None
+        self._writer = None
+        self._file = None
+        self._progress: Progress | None = None
+        self._task: TaskID | None = None
+        self._bar_values: dict[str, Any] = {}
+        if not enabled:
+            return
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / jsonl_name
+        self._file = self._open_jsonl(self.jsonl_path)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # slow import, only when used
+
+            # purge_step hides events a killed run wrote after the checkpoint we resume from.
+            purge = start_step + 1 if start_step > 0 else None
+            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+        self.console = console if console is not None else Console()
+        if progress == "auto":
+            progress = "bar" if self.console.is_terminal else "lines"
+        self.mode = progress
+        if progress == "bar":
+            self._progress = Progress(
+                TextColumn("{task.description}", markup=False),
+                BarColumn(),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
+            self._task = self._progress.add_task(
+                format_line(start_step, total_steps, {}, None), total=total_steps, completed=start_step
+            )
+            self._progress.start()
+
+    @staticmethod
+    def _open_jsonl(path: Path):
+        # A run killed mid-write can leave a last line without its newline: cut it off, so
+        # the file stays one JSON object per line when a resumed run appends to it.
+        if path.exists() and path.stat().st_size > 0:
+            with path.open("r+b") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - (1 << 20)))
+                tail = f.read()
+                if not tail.endswith(b"\n"):
+                    f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+        return path.open("a", encoding="utf-8")
+
+    def _update_eta(self, step: int) -> float | None:
+        # Average seconds per step since the first log call: the first step (compilation,
+        # warm-up) is excluded, and evals and checkpoints are spread over the steps.
+        now = time.perf_counter()
+        if self._anchor is None:
+            self._anchor = (now, step)
+            return None
+        t0, s0 = self._anchor
+        if step > s0:
+            per_step = (now - t0) / (step - s0)
+            self._eta_s = max(0, self.total_steps - step) * per_step
+        return self._eta_s
+
+    def log(self, step: int, metrics: dict[str, float | int | None]) -> None:
+        """Records one set of metrics at ``step``.
+
+        None is written as JSON null; NaN/inf as Python's ``NaN``/``Infinity`` (read back by
+        :func:`read_jsonl`), so a diverged loss stays visible.
+        """
+        if not self.enabled or self._closed:
+            return
+        values = {k: _plain(v) for k, v in metrics.items()}
+        eta = self._update_eta(step)
+        record = {"step": step, **values, "eta_s": None if eta is None else round(eta, 1)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._writer is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._writer.add_scalar(key, value, global_step=step)
+            self._writer.flush()
+        if self.mode == "lines":
+            self._print(format_line(step, self.total_steps, values, eta))
+        elif self._progress is not None:
+            # An eval-only call keeps the last train loss and tok/s on the bar.
+            self._bar_values.update({k: values[k] for k in _BAR_KEYS if values.get(k) is not None})
+            desc = format_line(step, self.total_steps, self._bar_values, eta, keys=_BAR_KEYS)
+            self._progress.update(self._task, completed=min(step, self.total_steps), description=desc)
+            if any(values.get(k) is not None for k in ("eval_loss", "eval_ppl")):
+                # Eval results would vanish with the next bar update: keep them as a line.
+                self._print(format_line(step, self.total_steps, values, eta))
+
+    def info(self, message: str) -> None:
+        """Prints a plain message line (above the progress bar when there is one)."""
+        if self.enabled and not self._closed:
+            self._print(message)
+
+    def _print(self, text: str) -> None:
+        # soft_wrap: never hard-wrap at the console width (80 columns when not a terminal).
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def close(self) -> None:
+        """Stops the progress display and flushes and closes the files; idempotent."""
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+        if self._writer is not None:
+            self._writer.close()
+        self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

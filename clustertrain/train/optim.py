@@ -1,0 +1,36 @@
+"""AdamW with decay groups, and the learning-rate schedule as a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from clustertrain.config.schema import OptimConfig
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters: matrices decay, vectors (norms, biases) do not (as in nanoGPT)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    # foreach is the fast path on CPU and GPU and works with DTensor parameters; fused would need GPU-only checks.
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=True
+    )
+
+
+def lr_at(step: int, total_steps: int, optim: OptimConfig) -> float:
+    """The learning rate for optimizer step `step` (0-based): linear warmup, then cosine/linear/constant decay."""
+    if step < optim.warmup_steps:
+        return optim.lr * (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return optim.lr
+    progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
+    floor = optim.lr * optim.min_lr_ratio
+    if optim.schedule == "linear":
+        return optim.lr - (optim.lr - floor) * progress
+    return floor + 0.5 * (optim.lr - floor) * (1 + math.cos(math.pi * progress))

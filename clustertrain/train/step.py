@@ -1,0 +1,96 @@
+"""One optimizer step: microbatches with gradient accumulation, a global-norm clip, the update."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class StepResult:
+    """What a step measured, left on the device: reading it forces a sync, so only log steps do."""
+
+    loss_sum: torch.Tensor
+    tokens: torch.Tensor
+    grad_norm: torch.Tensor
+
+
+def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over the labels that are not IGNORE_INDEX."""
+    logits = model(input_ids=input_ids).logits
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def count_tokens(batch: dict[str, torch.Tensor], dp_size: int) -> torch.Tensor:
+    """Tokens that carry loss in the whole global batch (summed over data-parallel ranks)."""
+    count = batch["labels"].ne(IGNORE_INDEX).sum()
+    if dp_size > 1:
+        dist.all_reduce(count)
+    return count.clamp(min=1)
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    *,
+    micro_batch_size: int,
+    dp_size: int,
+    grad_clip: float,
+    autocast_dtype: torch.dtype | None = None,
+) -> StepResult:
+    """Forward/backward this rank's share of a global batch, clip and update.
+
+    The loss is normalized by the global number of loss tokens, and scaled by `dp_size` because DDP and
+    FSDP average gradients over ranks, so every layout computes the gradient of the same global mean.
+
+    Returns:
+        this rank's summed loss, the global loss-token count, and the global gradient norm before clipping.
+    """
+    total_tokens = count_tokens(batch, dp_size)
+    local_loss = torch.zeros((), device=batch["input_ids"].device)
+    n_micro = math.ceil(batch["input_ids"].shape[0] / micro_batch_size)
+    for i in range(n_micro):
+        rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
+        last = i == n_micro - 1
+        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
+        with sync, _autocast(batch["input_ids"].device, autocast_dtype):
+            loss_sum = token_loss_sum(model, batch["input_ids"][rows], batch["labels"][rows])
+            (loss_sum * dp_size / total_tokens).backward()
+        local_loss += loss_sum.detach()
+    grad_norm = clip_grad_norm(model, grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(local_loss, total_tokens, grad_norm)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to the global norm (sharded gradients reduce across ranks); 0 only measures it."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def global_mean_loss(result: StepResult, dp_size: int) -> float:
+    """The mean loss over the global batch from each rank's summed loss."""
+    total = result.loss_sum.clone()
+    if dp_size > 1:
+        dist.all_reduce(total)
+    return (total / result.tokens).item()
+
+
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

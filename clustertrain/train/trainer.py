@@ -1,0 +1,309 @@
+"""The one training loop, in phases: build, resume, loop, close.
+
+Pretraining and (later) fine-tuning differ only by config; this file never branches on a model family.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.config.load import dump_config
+from clustertrain.config.schema import RunConfig
+from clustertrain.data.loader import GlobalBatchLoader, PackedSequences
+from clustertrain.data.tokenize import load_tokenizer, tokenize_sources
+from clustertrain.dist.env import RankInfo, detect_launcher
+from clustertrain.dist.init import close_distributed, init_distributed, rank0_first
+from clustertrain.dist.mesh import build_mesh
+from clustertrain.errors import CheckpointError, ConfigError
+from clustertrain.model.estimate import count_params, model_flops_per_token, peak_flops
+from clustertrain.model.load import block_classes, build_hf_config, build_meta_model
+from clustertrain.model.weights import init_weights
+from clustertrain.parallel.apply import DTYPES, autocast_dtype, parallelize, unwrap
+from clustertrain.train.metrics import MetricsLogger
+from clustertrain.train.optim import build_optimizer, lr_at
+from clustertrain.train.step import StepResult, global_mean_loss, token_loss_sum, train_step
+
+
+@dataclass
+class RunSummary:
+    """What a finished run tells the user."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    first_loss: float | None = None
+    last_loss: float | None = None
+    eval_loss: float | None = None
+    steps: int = 0
+    sample: str | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+class Trainer:
+    """Builds everything a run needs from a RunConfig and trains it.
+
+    Example:
+        >>> summary = Trainer(load_config("configs/tiny-llama.yaml")).run()
+    """
+
+    def __init__(self, config: RunConfig, info: RankInfo | None = None):
+        self.config = config
+        self.info = info or detect_launcher()
+        self.run_dir = config.run_dir
+        self.step = 0
+        self.tokens_seen = 0
+
+    # ---- build -------------------------------------------------------------------------------
+    def build(self) -> None:
+        """Process group, mesh, data, model (meta -> parallelize -> materialize), optimizer, metrics."""
+        cfg = self.config
+        self.device = init_distributed(cfg.parallel, self.info)
+        self.rank0 = dist.get_rank() == 0
+        torch.manual_seed(cfg.train.seed + dist.get_rank())
+        self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
+
+        self.tokenizer = rank0_first(lambda: load_tokenizer(cfg.data))
+        tokens = rank0_first(lambda: tokenize_sources(cfg.data, self.tokenizer))
+        train_seqs, eval_seqs = PackedSequences(tokens, cfg.data.seq_len).split(cfg.data.eval_fraction)
+        dp = dict(dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
+        self.loader = GlobalBatchLoader(train_seqs, cfg.train.global_batch_size, seed=cfg.train.seed, **dp)
+        self.eval_loader = GlobalBatchLoader(eval_seqs, cfg.train.global_batch_size, seed=0, shuffle=False, **dp)
+        self.micro_batch_size = micro_batch_size(cfg, self.mesh.dp_size)
+
+        hf_config = build_hf_config(cfg.model, self.tokenizer)
+        meta = build_meta_model(cfg.model, hf_config)
+        self.params = count_params(meta)
+        self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
+        self.model = parallelize(
+            meta, cfg.parallel, self.mesh, self.device, block_classes(meta),
+            materialize=lambda m: init_weights(m, self.device, cfg.train.seed),
+        )
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.total_steps = total_steps(cfg)
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])
+
+    # ---- resume ------------------------------------------------------------------------------
+    def resume(self) -> Path | None:
+        """Load the checkpoint that `train.resume` names; returns it, or None for a fresh start."""
+        root = self.run_dir / "checkpoints"
+        choice = self.config.train.resume
+        if self.rank0:
+            ckpt.remove_incomplete(root)
+        dist.barrier()
+        if choice == "none":
+            if ckpt.latest_checkpoint(root):
+                raise CheckpointError(
+                    f"{self.run_dir} already holds checkpoints and train.resume is 'none'; use --resume auto to "
+                    "continue it, or set train.run_dir to start a new run"
+                )
+            return None
+        path = ckpt.latest_checkpoint(root) if choice == "auto" else Path(choice)
+        if path is None:
+            return None
+        if not path.is_dir():
+            raise CheckpointError(f"train.resume: checkpoint {path} does not exist")
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        self.step, self.tokens_seen = state["step"], state["tokens_seen"]
+        self.loader.load_state_dict(state["data"])
+        return path
+
+    # ---- loop --------------------------------------------------------------------------------
+    def run(self) -> RunSummary:
+        """Build, resume, train to the budget (or `train.stop_after_steps`), save; close on every path."""
+        try:
+            self.build()
+            resumed = self.resume()
+            return self._loop(resumed)
+        finally:
+            self.close()
+
+    def _loop(self, resumed: Path | None) -> RunSummary:
+        cfg = self.config
+        self.logger = MetricsLogger(
+            self.run_dir, total_steps=self.total_steps, start_step=self.step, enabled=self.rank0,
+            tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress,
+        )
+        self._announce(resumed)
+        summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
+        stop_at = self.total_steps
+        if cfg.train.stop_after_steps:
+            stop_at = min(stop_at, self.step + cfg.train.stop_after_steps)
+        autocast = autocast_dtype(cfg.parallel)
+        timer = _Timer(self.step)
+        saved_step = self.step if resumed else None
+        while self.step < stop_at:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
+            result = train_step(
+                self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
+                dp_size=self.mesh.dp_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast,
+            )
+            self.step += 1
+            self.tokens_seen += self.tokens_per_step
+            if self.step % cfg.metrics.log_every == 0 or self.step == stop_at:
+                summary.losses.append(self._log(result, timer))
+                timer.reset(self.step)
+            if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == self.total_steps):
+                summary.eval_loss = self._evaluate()
+                timer.reset(self.step)
+            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == stop_at:
+                summary.checkpoint = self.save()
+                saved_step = self.step
+                timer.reset(self.step)
+        if saved_step != self.step:
+            summary.checkpoint = self.save()
+        summary.steps = self.step
+        if summary.losses:
+            summary.first_loss, summary.last_loss = summary.losses[0], summary.losses[-1]
+        if self.step >= self.total_steps and cfg.train.sample_tokens:
+            summary.sample = self.sample("def ", cfg.train.sample_tokens)
+        return summary
+
+    def _log(self, result: StepResult, timer: _Timer) -> float:
+        loss = global_mean_loss(result, self.mesh.dp_size)
+        elapsed, steps = timer.elapsed(self.step)
+        tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
+        world = dist.get_world_size()
+        mfu = None
+        if tokens_per_s and self.peak_flops:
+            mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * world)
+        self.logger.log(self.step, {
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": result.grad_norm.item(),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_rank": tokens_per_s / world if tokens_per_s else None,
+            "mfu": mfu,
+            "mem_gb": memory_gb(self.device),
+            "tokens": self.tokens_seen,
+        })
+        return loss
+
+    @torch.no_grad()
+    def _evaluate(self) -> float:
+        """Mean loss and perplexity over `train.eval_batches` held-out global batches."""
+        self.model.eval()
+        self.eval_loader.batches = 0
+        totals = torch.zeros(2, device=self.device)
+        for _ in range(self.config.train.eval_batches):
+            batch = {k: v.to(self.device) for k, v in self.eval_loader.next_batch().items()}
+            totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"])
+            totals[1] += batch["labels"].numel()
+        dist.all_reduce(totals)
+        self.model.train()
+        loss = (totals[0] / totals[1]).item()
+        self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
+        return loss
+
+    # ---- checkpoint --------------------------------------------------------------------------
+    def save(self) -> Path:
+        """Write a complete checkpoint of the current step."""
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "total_steps": self.total_steps,
+            "data": self.loader.state_dict(),
+            "world_size": dist.get_world_size(),
+            "strategy": self.config.parallel.strategy,
+        }
+
+        def write_extras(folder: Path) -> None:
+            (folder / "config.yaml").write_text(dump_config(self.config))
+            self.tokenizer.save_pretrained(folder / "tokenizer")
+
+        return ckpt.save_checkpoint(
+            self.run_dir / "checkpoints", self.step, self.model, self.optimizer, state, write_extras
+        )
+
+    # ---- sample ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, prompt: str, max_new_tokens: int) -> str:
+        """A short sampled continuation of `prompt`; every rank takes part when the weights are sharded."""
+        sharded = self.config.parallel.strategy != "ddp"
+        if not (sharded or self.rank0):
+            return ""
+        model = unwrap(self.model)
+        model.eval()
+        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same draw on every rank keeps sharded forwards in step
+            out = model.generate(
+                ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
+                pad_token_id=self.tokenizer.eos_token_id,
+            )
+        return self.tokenizer.decode(out[0], skip_special_tokens=True)
+
+    def close(self) -> None:
+        if getattr(self, "logger", None):
+            self.logger.close()
+        close_distributed()
+
+    def _announce(self, resumed: Path | None) -> None:
+        if not self.rank0:
+            return
+        cfg = self.config
+        p = self.params
+        self.logger.info(
+            f"clustertrain: {cfg.model.arch} {p['total'] / 1e6:.2f}M params ({p['trainable'] / 1e6:.2f}M trainable), "
+            f"{self.info.world_size} rank(s) via {self.info.launcher} on {self.device.type}, "
+            f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard})"
+        )
+        self.logger.info(
+            f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "
+            f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}); "
+            f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens"
+        )
+        if resumed:
+            self.logger.info(f"resuming from {resumed} at step {self.step}")
+        else:
+            self.logger.info(f"starting fresh in {self.run_dir} (no checkpoint to resume)")
+
+
+class _Timer:
+    """Wall time of training steps only: evaluation and checkpoint time are excluded by reset()."""
+
+    def __init__(self, step: int):
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.start, self.start_step = time.perf_counter(), step
+
+    def elapsed(self, step: int) -> tuple[float, int]:
+        return time.perf_counter() - self.start, step - self.start_step
+
+
+def total_steps(cfg: RunConfig) -> int:
+    """Optimizer steps of the whole run, from `train.tokens` when set, else `train.steps`."""
+    if cfg.train.tokens:
+        return math.ceil(cfg.train.tokens / (cfg.train.global_batch_size * cfg.data.seq_len))
+    if cfg.train.steps is None:
+        raise ConfigError("train: set train.steps or train.tokens")
+    return cfg.train.steps
+
+
+def micro_batch_size(cfg: RunConfig, dp_size: int) -> int:
+    """Rows per forward on one rank: train.micro_batch_size, capped at the rank's share of the global batch."""
+    per_rank = cfg.train.global_batch_size // dp_size
+    micro = min(cfg.train.micro_batch_size, per_rank)
+    if per_rank % micro:
+        raise ConfigError(
+            f"train.micro_batch_size = {micro} does not divide the {per_rank} sequences each of the {dp_size} "
+            f"ranks gets per step (train.global_batch_size = {cfg.train.global_batch_size}); use a divisor of {per_rank}"
+        )
+    return micro
+
+
+def memory_gb(device: torch.device) -> float:
+    """Peak memory of this rank: GPU allocator peak, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux

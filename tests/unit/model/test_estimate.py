@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from clustertrain.model.estimate import (
+    count_params,
+    flops_per_token,
+    measure_cpu_peak,
+    model_flops_per_token,
+    peak_flops,
+    peak_flops_for_name,
+)
+
+
+def llama_config() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
+
+
+def gpt2_config() -> transformers.GPT2Config:
+    return transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+
+
+def build(config, device: str = "cpu") -> nn.Module:
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+# Hand counts. Llama: embed 256*64; per layer q,k,v,o 4*64*64 + MLP 3*64*128 + 2 norms 2*64;
+# final norm 64; untied lm_head 256*64.
+LLAMA_EMBED = 256 * 64
+LLAMA_TOTAL = LLAMA_EMBED + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 256 * 64
+# GPT-2: wte 256*32 (tied with lm_head), wpe 32*32.
+GPT2_WTE, GPT2_WPE = 256 * 32, 32 * 32
+
+
+def test_count_params_llama_by_hand():
+    counts = count_params(build(llama_config()))
+    assert counts == {
+        "total": LLAMA_TOTAL,
+        "trainable": LLAMA_TOTAL,
+        "embedding": LLAMA_EMBED,
+        "flops_params": LLAMA_TOTAL - LLAMA_EMBED,
+    }
+
+
+@pytest.mark.parametrize("config", [llama_config(), gpt2_config()], ids=["llama", "gpt2"])
+def test_count_params_meta_matches_real(config):
+    real, meta = build(config), build(config, "meta")
+    assert next(meta.parameters()).is_meta
+    assert count_params(meta) == count_params(real)
+
+
+def test_tied_head_counted_once():
+    model = build(gpt2_config())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    counts = count_params(model)
+    with_duplicates = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    assert with_duplicates == counts["total"] + GPT2_WTE
+    assert counts["embedding"] == GPT2_WTE + GPT2_WPE
+    # The tied head is a real matmul: N = everything but wpe, wte counted once.
+    assert counts["flops_params"] == counts["total"] - GPT2_WPE
+
+
+def test_count_params_dedupes_shared_modules_and_frozen():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(4, 2))
+    model[3].requires_grad_(False)
+    counts = count_params(model)
+    assert counts == {"total": 20 + 10, "trainable": 20, "embedding": 0, "flops_params": 30}
+
+
+def test_count_params_on_fsdp2_dtensors(tmp_path):
+    dist = torch.distributed
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = build(gpt2_config())
+        expected = count_params(model)
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+        assert all(isinstance(p, DTensor) for p in model.parameters())
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert count_params(model) == expected
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flops_per_token_formula():
+    n, layers, heads, head_dim, seq = 1_000_000, 12, 12, 64, 1024
+    assert flops_per_token(n, layers, heads, head_dim, seq) == 6 * n + 12 * layers * heads * head_dim * seq
+
+
+@pytest.mark.parametrize("config", [llama_config(), gpt2_config()], ids=["llama", "gpt2"])
+def test_model_flops_per_token_reads_config(config):
+    model = build(config, "meta")
+    n = count_params(model)["flops_params"]
+    layers, heads, hidden = 2, 4, config.hidden_size
+    expected = 6 * n + 12 * layers * heads * (hidden // heads) * 128
+    assert model_flops_per_token(model, 128) == expected
+
+
+def test_model_flops_per_token_uses_explicit_head_dim():
+    config = llama_config()
+    config.head_dim = 32  # decoupled from hidden_size // heads, as in e.g. Gemma
+    model = build(config, "meta")
+    n = count_params(model)["flops_params"]
+    assert model_flops_per_token(model, 16) == 6 * n + 12 * 2 * 4 * 32 * 16
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12),
+        ("NVIDIA H100 80GB HBM3", torch.float32, 494.5e12),
+        ("NVIDIA H100 80GB HBM3", torch.float16, 989e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+        ("NVIDIA H100 NVL", torch.bfloat16, 835.5e12),
+        ("NVIDIA H200", torch.bfloat16, 989e12),
+        ("NVIDIA GH200 480GB", torch.bfloat16, 989e12),
+        ("NVIDIA B200", torch.bfloat16, 2250e12),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+        ("NVIDIA A100-PCIE-40GB", torch.float32, 156e12),
+        ("NVIDIA A10G", torch.bfloat16, 70e12),
+        ("NVIDIA L40S", torch.bfloat16, 362.05e12),
+        ("NVIDIA L4", torch.bfloat16, 121e12),
+        ("Tesla V100-SXM2-16GB", torch.float16, 125e12),
+        ("Tesla V100-SXM2-16GB", torch.bfloat16, None),
+        ("AMD Instinct MI250X", torch.bfloat16, 191.5e12),
+        ("AMD Instinct MI250X / MI250", torch.float32, 47.9e12),
+        ("AMD Instinct MI210", torch.bfloat16, 181e12),
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
+        ("amd instinct mi325x", torch.bfloat16, 1307.4e12),
+        ("NVIDIA H100 80GB HBM3", torch.float64, None),
+        ("NVIDIA GeForce GTX 1080", torch.bfloat16, None),
+        ("", torch.bfloat16, None),
+    ],
+)
+def test_peak_flops_for_name(name, dtype, expected):
+    assert peak_flops_for_name(name, dtype) == expected
+
+
+def test_measure_cpu_peak_positive_finite_and_cached():
+    flops = measure_cpu_peak(torch.float32, seconds=0.02)
+    assert math.isfinite(flops) and flops > 0
+    assert measure_cpu_peak(torch.float32, seconds=0.02) == flops  # lru_cache hit
+    assert peak_flops(torch.device("cpu"), torch.float32) > 0
+
+
+def test_peak_flops_unknown_device_type_is_none():
+    assert peak_flops(torch.device("meta"), torch.bfloat16) is None
