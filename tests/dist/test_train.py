@@ -1,0 +1,95 @@
+"""Real 1-, 2- and 4-rank training runs (gloo): strategies agree with one rank, learn, and resume exactly."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import losses, run_cli, train, TINY
+
+pytestmark = pytest.mark.dist
+
+STEPS = ["train.steps=10", "checkpoint.every=5"]
+LAYOUTS = {
+    "single": dict(nproc=None, overrides=["parallel.strategy=ddp"]),
+    "ddp": dict(nproc=2, overrides=["parallel.strategy=ddp"]),
+    "zero2": dict(nproc=2, overrides=["parallel.strategy=zero2"]),
+    "zero3": dict(nproc=2, overrides=["parallel.strategy=zero3"]),
+    "hybrid_zero2": dict(nproc=2, overrides=["parallel.strategy=hybrid_zero2", "parallel.hybrid_shard_size=1"]),
+    "hybrid_zero3_2x2": dict(nproc=4, overrides=["parallel.strategy=hybrid_zero3", "parallel.hybrid_shard_size=2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each layout trained uninterrupted for 10 steps, with the same global batch and seed."""
+    out = {}
+    for name, layout in LAYOUTS.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        train(run_dir, *STEPS, *layout["overrides"], nproc=layout["nproc"])
+        out[name] = run_dir
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single"])
+def test_layout_matches_one_rank(runs, name):
+    reference, other = losses(runs["single"]), losses(runs[name])
+    for step in range(1, 6):
+        assert other[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_lowers_loss(runs, name):
+    curve = losses(runs[name])
+    assert curve[10] < curve[1] - 0.5
+
+
+def test_tensorboard_reads_back(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(runs["zero3"] / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("loss")
+    assert [s.step for s in scalars] == list(range(1, 11))
+    assert scalars[-1].value == pytest.approx(losses(runs["zero3"])[10], rel=1e-6)
+    assert {"lr", "grad_norm", "tokens_per_s", "mfu"} <= set(events.Tags()["scalars"])
+
+
+def test_metrics_have_the_documented_keys(runs):
+    from clustertrain.train.metrics import read_jsonl
+
+    record = read_jsonl(runs["ddp"] / "metrics.jsonl")[-1]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "eta_s"} <= set(record)
+    assert record["tokens_per_s"] > 0 and 0 < record["mfu"] < 1
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero3"])
+def test_resume_matches_uninterrupted(runs, tmp_path, name):
+    layout = LAYOUTS[name]
+    first = train(tmp_path, *STEPS, *layout["overrides"], "train.stop_after_steps=5", nproc=layout["nproc"])
+    assert (tmp_path / "checkpoints" / "step-0000005").is_dir()
+    assert not (tmp_path / "checkpoints" / "step-0000010").exists()
+    assert "starting fresh" in first.stdout
+    second = train(tmp_path, *STEPS, *layout["overrides"], nproc=layout["nproc"])
+    assert "resuming from" in second.stdout and "step 5" in second.stdout
+    resumed, uninterrupted = losses(tmp_path), losses(runs[name])
+    assert resumed[10] == pytest.approx(uninterrupted[10], rel=1e-6)
+    assert sorted(resumed) == list(range(1, 11))
+
+
+def test_resume_none_refuses_to_overwrite(runs):
+    result = run_cli("train", *[f"--set={o}" for o in TINY], f"--set=train.run_dir={runs['single']}", "--resume", "none")
+    assert result.returncode == 2
+    assert "already holds checkpoints" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_torchrun_launch(tmp_path):
+    import subprocess
+    import sys
+
+    args = [f"--set={o}" for o in (*TINY, f"train.run_dir={tmp_path}", "train.steps=2", "parallel.strategy=zero3")]
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "clustertrain",
+         "train", *args], capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 rank(s) via torchrun" in result.stdout
+    assert (tmp_path / "checkpoints" / "step-0000002").is_dir()

@@ -1,0 +1,49 @@
+"""Start real clustertrain processes for tests: the CLI, with --nproc or under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from clustertrain.train.metrics import read_jsonl
+
+# A small model and corpus: fast on 2 cores, still a real Llama on real text.
+TINY = [
+    "model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+    "num_key_value_heads: 2, max_position_embeddings: 256}",
+    "data.vocab_size=512",
+    "data.seq_len=64",
+    "data.sources=[{format: stdlib, max_bytes: 400000}]",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "optim.warmup_steps=2",
+    "metrics.log_every=1",
+    "metrics.progress=lines",
+]
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m clustertrain ARGS` and capture its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "clustertrain", *args], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: str | None = None,
+          extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Train the tiny model into `run_dir`; fails the test with the output if the run fails."""
+    args = ["train", *([config] if config else []), *(["--nproc", str(nproc)] if nproc else []), *extra_args]
+    args += [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
+    result = run_cli(*args)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """step -> training loss from a run's metrics.jsonl (later records win, as after a resume)."""
+    return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("loss") is not None}

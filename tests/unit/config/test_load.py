@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clustertrain.config.load import dump_config, load_config
+from clustertrain.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.*"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_parses(path):
+    config = load_config(path)
+    assert config.name == path.stem
+    assert str(config.run_dir) == f"runs/{path.stem}"
+
+
+def test_yaml_and_toml_give_the_same_config(tmp_path):
+    (tmp_path / "a.yaml").write_text("optim:\n  lr: 0.001\ntrain:\n  steps: 7\n")
+    (tmp_path / "a.toml").write_text("[optim]\nlr = 0.001\n[train]\nsteps = 7\n")
+    assert load_config(tmp_path / "a.yaml") == load_config(tmp_path / "a.toml")
+
+
+def test_overrides_are_typed_and_nested():
+    config = load_config(None, ["optim.lr=3e-4", "optim.betas=[0.9, 0.99]", "model.config.hidden_size=96"])
+    assert config.optim.lr == 3e-4
+    assert config.optim.betas == (0.9, 0.99)
+    assert config.model.config == {"hidden_size": 96}
+
+
+def test_dump_round_trips(tmp_path):
+    config = load_config(None, ["train.steps=11"])
+    (tmp_path / "c.yaml").write_text(dump_config(config))
+    assert load_config(tmp_path / "c.yaml").model_dump(exclude={"name"}) == config.model_dump(exclude={"name"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.lrr=1"], "config error: unknown key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        (["trian.steps=3"], "config error: unknown key 'trian' (did you mean 'train'?)"),
+        (["optim.lr=abc"], "config error: optim.lr = 'abc': Input should be a valid number"),
+        (["optim.lr=-1"], "config error: optim.lr = -1: Input should be greater than 0"),
+        (["parallel.strategy=zero4"], "config error: parallel.strategy = 'zero4': Input should be 'ddp', 'zero2'"),
+        (["model.config.hiden_size=3"], "unknown key 'model.config.hiden_size' for llama (did you mean 'model.config.hidden_size'?)"),
+        (["model.arch=lama"], "model.arch = 'lama' is not a transformers model type (did you mean llama"),
+        (["data.sources=[{format: text}]"], "data.sources.0: format 'text' needs a path"),
+        (["optim.lr"], "override 'optim.lr' must look like section.key=value"),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_allowed(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["optim.lr=-1", "train.steps=0", "metrics.bogus=1"])
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3 and all(line.startswith("config error:") for line in lines)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("optim: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "c.json").write_text("{}")
+    with pytest.raises(ConfigError, match="use .yaml, .yml or .toml"):
+        load_config(tmp_path / "c.json")

@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import pytest
+
+from clustertrain.config.schema import OptimConfig
+from clustertrain.train.optim import lr_at
+
+
+def test_warmup_then_cosine_to_the_floor():
+    optim = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_at(0, 110, optim) == pytest.approx(0.1)
+    assert lr_at(9, 110, optim) == pytest.approx(1.0)
+    assert lr_at(60, 110, optim) == pytest.approx(0.55)
+    assert lr_at(110, 110, optim) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("schedule", "middle"), [("linear", 0.55), ("constant", 1.0)])
+def test_linear_and_constant(schedule, middle):
+    optim = OptimConfig(lr=1.0, warmup_steps=10, schedule=schedule, min_lr_ratio=0.1)
+    assert lr_at(60, 110, optim) == pytest.approx(middle)
