@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/clustertrain train --nproc 2
+	rm -rf runs/demo
+	$(VENV)/bin/clustertrain train --nproc 2 --set train.run_dir=runs/demo
 
 test: install
 	$(PY) -m pytest -q -n 2 --durations=15

@@ -33,7 +33,7 @@ One process, one rank, CPU (or whatever `parallel.device` picks), one model and 
 
 Both sides are warmed up, then run in alternating rounds (the side that goes first swaps every round) so
 that a noisy, shared machine slows both alike. Reported: tokens/s per round, the median, min and max per
-side, the per-round paired ratio, and the ratio of the medians (clustertrain / hand-written). The
+side, the per-round paired ratio, the ratio of the best rounds, and the ratio of the medians (clustertrain / hand-written). The
 project's bar is a ratio >= 0.97; the aim is 1.0.
 """
 
@@ -58,6 +58,7 @@ from clustertrain.config.load import load_config  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 BAR = 0.97
+NOISY = 0.15  # (max - min) / median of a side above which the ratio is flagged as noisy
 DESCRIPTION = "tokens/s of clustertrain's training loop against a hand-written PyTorch loop, interleaved"
 
 
@@ -235,14 +236,19 @@ def main(argv: list[str] | None = None) -> int:
                 a, b = fn(rates["clustertrain"]), fn(rates["hand-written"])
                 print(f"{label:>5}  {'':<12}  {a:>12.0f}  {b:>12.0f}  {fn(paired):>6.3f}")
             spread = {k: (max(v) - min(v)) / med[k] for k, v in rates.items()}
+            ratio = med["clustertrain"] / med["hand-written"]
+            verdict = "meets" if ratio >= BAR else "is BELOW"
             print()
             print(f"spread (max-min)/median: clustertrain {100 * spread['clustertrain']:.1f}%, "
                   f"hand-written {100 * spread['hand-written']:.1f}%")
             print(f"last loss: clustertrain {ct.last_loss:.4f} (step {trainer.step}), hand-written "
                   f"{hand.last_loss:.4f}; clustertrain metric log calls in the timed rounds: {ct.log_calls}")
-            ratio = med["clustertrain"] / med["hand-written"]
-            verdict = "meets" if ratio >= BAR else "BELOW"
-            print(f"median paired ratio {statistics.median(paired):.3f}; {verdict} the bar of {BAR}")
+            best = max(rates["clustertrain"]) / max(rates["hand-written"])
+            print(f"median paired ratio {statistics.median(paired):.3f}, ratio of best rounds {best:.3f}; "
+                  f"ratio of medians {ratio:.3f} {verdict} the bar of {BAR}")
+            if max(spread.values()) > NOISY:
+                print(f"note: rounds varied by more than {100 * NOISY:.0f}% (a busy machine?); the ratio carries that "
+                      "noise: rerun on a quiet machine or with more --rounds")
             print(f"ratio clustertrain/hand-written: {ratio:.2f}")
         finally:
             trainer.close()

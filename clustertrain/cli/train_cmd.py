@@ -50,7 +50,7 @@ def print_summary(summary) -> None:
         ("metrics", f"{summary.run_dir / 'metrics.jsonl'}  (TensorBoard: {summary.run_dir / 'tensorboard'})"),
     ]
     if summary.first_loss is not None:
-        loss = f"{summary.first_loss:.3f} at the first log -> {summary.last_loss:.3f} at step {summary.steps}"
+        loss = f"{summary.first_loss:.3f} at step 1 -> {summary.last_loss:.3f} at step {summary.steps}"
         if summary.eval_loss is not None:
             loss += f"  (held-out {summary.eval_loss:.3f})"
         rows.append(("loss", loss))

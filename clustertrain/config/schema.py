@@ -50,7 +50,10 @@ class SourceConfig(Section):
 
 
 class DataConfig(Section):
-    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig()], min_length=1)
+    sources: list[SourceConfig] = Field(
+        default_factory=lambda: [SourceConfig()], min_length=1,
+        description="Documents to train on: entries of {format: stdlib|text, path, max_bytes}.",
+    )
     seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
     tokenizer: str | None = Field(
         None, description="HF tokenizer directory; empty: train a byte-level BPE on the sources and cache it."
@@ -78,11 +81,11 @@ class ParallelConfig(Section):
 
 class OptimConfig(Section):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.1, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decay of matrices (norms and biases never decay).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
-    warmup_steps: int = Field(20, ge=0)
+    warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to optim.lr.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak (cosine, linear).")
 
@@ -93,7 +96,7 @@ class TrainConfig(Section):
     tokens: int | None = Field(None, gt=0, description="Token budget; overrides `steps` when set.")
     global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, whatever the rank count.")
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward on one rank.")
-    seed: int = 1234
+    seed: int = Field(1234, description="Seeds the initial weights and the data order (same on any rank count).")
     resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
     stop_after_steps: int | None = Field(
         None, gt=0, description="End this run after this many steps (with a checkpoint); the schedule is unchanged."
@@ -108,9 +111,11 @@ class CheckpointConfig(Section):
 
 
 class MetricsConfig(Section):
-    log_every: int = Field(10, gt=0)
-    tensorboard: bool = True
-    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    log_every: int = Field(10, gt=0, description="Log metrics every N steps (and at the first and last step).")
+    tensorboard: bool = Field(True, description="Also write TensorBoard event files to <run_dir>/tensorboard.")
+    progress: Literal["auto", "bar", "lines", "none"] = Field(
+        "auto", description="auto: a progress bar on a terminal, plain lines otherwise (Slurm logs)."
+    )
     peak_flops: float | None = Field(
         None, gt=0, description="Peak FLOP/s per device for MFU; default: known GPUs from a table, CPUs measured."
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from clustertrain.model.estimate import count_params, model_flops_per_token, pea
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model
 from clustertrain.model.weights import init_weights
 from clustertrain.parallel.apply import DTYPES, autocast_dtype, parallelize, unwrap
-from clustertrain.train.metrics import MetricsLogger
+from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.step import StepResult, global_mean_loss, token_loss_sum, train_step
 
@@ -43,7 +43,6 @@ class RunSummary:
     eval_loss: float | None = None
     steps: int = 0
     sample: str | None = None
-    losses: list[float] = field(default_factory=list)
 
 
 class Trainer:
@@ -149,8 +148,8 @@ class Trainer:
             )
             self.step += 1
             self.tokens_seen += self.tokens_per_step
-            if self.step % cfg.metrics.log_every == 0 or self.step == stop_at:
-                summary.losses.append(self._log(result, timer))
+            if self.step % cfg.metrics.log_every == 0 or self.step in (1, stop_at):
+                self._log(result, timer)
                 timer.reset(self.step)
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == self.total_steps):
                 summary.eval_loss = self._evaluate()
@@ -162,13 +161,16 @@ class Trainer:
         if saved_step != self.step:
             summary.checkpoint = self.save()
         summary.steps = self.step
-        if summary.losses:
-            summary.first_loss, summary.last_loss = summary.losses[0], summary.losses[-1]
+        self.logger.close()  # flushes metrics.jsonl, which holds the whole run's curve across resumes
+        if self.rank0:
+            curve = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("loss") is not None]
+            summary.first_loss = curve[0]["loss"] if curve else None
+            summary.last_loss = curve[-1]["loss"] if curve else None
         if self.step >= self.total_steps and cfg.train.sample_tokens:
             summary.sample = self.sample("def ", cfg.train.sample_tokens)
         return summary
 
-    def _log(self, result: StepResult, timer: _Timer) -> float:
+    def _log(self, result: StepResult, timer: _Timer) -> None:
         loss = global_mean_loss(result, self.mesh.dp_size)
         elapsed, steps = timer.elapsed(self.step)
         tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
@@ -186,7 +188,6 @@ class Trainer:
             "mem_gb": memory_gb(self.device),
             "tokens": self.tokens_seen,
         })
-        return loss
 
     @torch.no_grad()
     def _evaluate(self) -> float:

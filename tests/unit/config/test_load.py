@@ -73,3 +73,10 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "c.json").write_text("{}")
     with pytest.raises(ConfigError, match="use .yaml, .yml or .toml"):
         load_config(tmp_path / "c.json")
+
+
+def test_config_reference_is_current():
+    from clustertrain.config.docs import render_reference
+
+    committed = (Path(__file__).parents[3] / "docs" / "config.md").read_text()
+    assert committed == render_reference(), "run: python -m clustertrain.config.docs > docs/config.md"

@@ -1,0 +1,37 @@
+"""Render the config reference (docs/config.md) from the schema's field descriptions.
+
+    python -m clustertrain.config.docs > docs/config.md
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import BaseModel
+
+from clustertrain.config.schema import RunConfig
+
+
+def render_reference() -> str:
+    """Markdown tables of every section's keys, defaults and descriptions."""
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from `clustertrain/config/schema.py` by `python -m clustertrain.config.docs`; "
+        "a test keeps it current. Set any key in a YAML/TOML file or with `--set section.key=value`.",
+    ]
+    for name, field in RunConfig.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            lines += ["", f"- `{name}` (default `{field.default}`): {field.description}"]
+            continue
+        lines += ["", f"## `{name}`", "", "| key | default | description |", "| --- | --- | --- |"]
+        defaults = section().model_dump(mode="json")
+        for key, sub in section.model_fields.items():
+            default = json.dumps(defaults[key])
+            lines.append(f"| `{name}.{key}` | `{default}` | {(sub.description or '').replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(render_reference(), end="")
