@@ -20,10 +20,10 @@ demo: install
 	$(VENV)/bin/clustertrain train --nproc 2 --set train.run_dir=runs/demo
 
 test: install
-	$(PY) -m pytest -q -n 2 --durations=15
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: install
-	$(PY) -m pytest -q -n 2 -m "not dist"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not dist"
 
 bench: install
 	$(PY) bench/throughput.py

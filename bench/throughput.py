@@ -6,30 +6,20 @@ Does clustertrain add anything to a training step? Its loop against a minimal ha
     .venv/bin/python bench/throughput.py --set 'model.config={hidden_size: 256, intermediate_size: 688,
         num_hidden_layers: 4, num_attention_heads: 4, num_key_value_heads: 4, max_position_embeddings: 1024}'
 
-(`--set model.config.hidden_size=256` alone would replace the whole default `model.config` mapping, leaving
-HF's Llama defaults for every other field, so give the full mapping when changing the model size.)
-
 One process, one rank, CPU (or whatever `parallel.device` picks), one model and one batch shape for both sides:
 
-* clustertrain: `Trainer(cfg).build()`, then the trainer's own loop, `Trainer._loop`, run for
-  `--steps-per-round` steps per round via `train.stop_after_steps` (the schedule is unchanged, so the step
-  counter carries over from round to round). Each timed round is one whole `_loop` call, so it includes
-  everything the real loop does per step: the lr schedule, `GlobalBatchLoader.next_batch` (numpy gather of
-  shuffled windows), `train_step` (token count, microbatches with gradient accumulation, global-norm clip,
-  AdamW in two decay groups, zero_grad) and the metrics call every `metrics.log_every` steps (loss and grad
-  norm `.item()`, JSONL and TensorBoard writes), plus the per-call set-up of `_loop` (a new MetricsLogger
-  and its announce lines; ~1-2 ms, which only counts against clustertrain). Left out, as they are not
-  step costs: the checkpoint `_loop` writes when it stops (`Trainer.save` is replaced by a no-op on this
-  instance), evaluation (`train.eval_every=0`), the end-of-run sample (`train.sample_tokens=0`) and the
-  console progress display (`metrics.progress=none`; its info lines are captured, not printed).
-  With `--warmup` and `--steps-per-round` multiples of `metrics.log_every` (the defaults: 10, 10, 10) the
-  loop logs once per `log_every` steps, as in a real run; otherwise it also logs at the end of each round.
-  Metrics files go to a temporary run directory that is removed afterwards.
+* clustertrain: `Trainer(cfg).build()` and `.start(None)`, then `Trainer.train_steps(n)` per round: the
+  real step path with the lr schedule, `GlobalBatchLoader.next_batch`, `train_step` (token count,
+  microbatches with gradient accumulation, global-norm clip, AdamW) and the metrics call every
+  `metrics.log_every` steps (JSONL and TensorBoard writes). Evaluation, checkpoints and the end-of-run
+  sample are off; the progress display is `none`.
 * hand-written: a model built with `AutoModelForCausalLM.from_config` from the same HF config and loaded
   with the trainer's initial weights, plain `torch.optim.AdamW(model.parameters(), foreach=True)` with
   the same hyperparameters (one group, constant lr), batches of the same shape pre-built in memory from
   the same packed token data, the same micro-batch split with gradient accumulation, mean cross entropy
-  scaled by 1/microbatches, `clip_grad_norm_`, `step`, `zero_grad`. No logging, no data loading.
+  scaled by 1/microbatches, `clip_grad_norm_`, `step`, `zero_grad`. No logging, no data loading. A
+  `parallel.param_dtype` other than float32 runs it under `torch.autocast`; with a zero2/zero3 strategy the
+  clustertrain side is FSDP-wrapped (on one rank) while this side stays a plain module.
 
 Both sides are warmed up, then run in alternating rounds (the side that goes first swaps every round) so
 that a noisy, shared machine slows both alike. Reported: tokens/s per round, the median, min and max per
@@ -55,6 +45,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from clustertrain.config.load import load_config  # noqa: E402
+from clustertrain.parallel.apply import DTYPES, unwrap  # noqa: E402
+from clustertrain.train.metrics import read_jsonl  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 BAR = 0.97
@@ -69,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per side first (default: --steps-per-round)")
     p.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="config override, as `clustertrain train --set` (repeatable), e.g. model.config.hidden_size=256",
+        help="config override, as `clustertrain train --set` (repeatable), e.g. train.micro_batch_size=4",
     )
     args = p.parse_args(argv)
     if args.rounds < 1 or args.steps_per_round < 1:
@@ -82,29 +74,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 class ClustertrainSide:
-    """Runs the trainer's real loop for a number of steps per call."""
+    """Runs the trainer's real step path, `Trainer.train_steps`, for a number of steps per call."""
 
     name = "clustertrain"
 
     def __init__(self, trainer: Trainer):
         self.t = trainer
-        self.t.save = lambda: None  # the checkpoint `_loop` writes when it stops is not a step cost
-        self.last_loss: float | None = None
-        self.log_calls = 0
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.start(None)  # opens the metrics sinks once, as a real run does
 
     def run(self, steps: int) -> float:
-        """Seconds for `steps` steps of `Trainer._loop`."""
-        self.t.config.train.stop_after_steps = steps
-        captured = io.StringIO()
-        with contextlib.redirect_stdout(captured):
-            start = time.perf_counter()
-            summary = self.t._loop(None)
-            elapsed = time.perf_counter() - start
-            self.t.logger.close()  # each `_loop` call opens its own logger
-        if summary.last_loss is not None:
-            self.last_loss = summary.last_loss
-        self.log_calls += len(summary.losses)
-        return elapsed
+        """Seconds for `steps` optimizer steps, metrics on their schedule included."""
+        start = time.perf_counter()
+        self.t.train_steps(steps)
+        if self.t.device.type == "cuda":
+            torch.cuda.synchronize(self.t.device)
+        return time.perf_counter() - start
+
+    @property
+    def last_loss(self) -> float:
+        records = [r for r in read_jsonl(self.t.run_dir / "metrics.jsonl") if r.get("loss") is not None]
+        return records[-1]["loss"]
+
+    def logged_losses(self) -> int:
+        """Metrics calls the loop made so far (records with a loss in metrics.jsonl)."""
+        return sum(r.get("loss") is not None for r in read_jsonl(self.t.run_dir / "metrics.jsonl"))
 
 
 class HandWrittenSide:
@@ -120,7 +114,7 @@ class HandWrittenSide:
         self.model = AutoModelForCausalLM.from_config(
             trainer.model.config, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
         ).to(self.device)
-        self.model.load_state_dict(trainer.model.state_dict())  # the trainer's initial weights
+        self.model.load_state_dict(full_state(trainer.model))  # the trainer's initial weights
         self.model.train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -128,6 +122,9 @@ class HandWrittenSide:
         )
         self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
         self.micro = trainer.micro_batch_size
+        # A lower-precision param_dtype is run under autocast, as clustertrain does for DDP.
+        dtype = DTYPES[cfg.parallel.param_dtype]
+        self.autocast = None if dtype == torch.float32 else dtype
         # Global batches of the same shape from the same packed token data, built once, cycled through.
         seqs = trainer.loader.sequences
         rng = np.random.default_rng(0)
@@ -151,8 +148,9 @@ class HandWrittenSide:
             losses = []
             for i in range(n_micro):
                 rows = slice(i * self.micro, (i + 1) * self.micro)
-                logits = model(input_ids=x[rows]).logits
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y[rows].flatten()) / n_micro
+                with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+                    logits = model(input_ids=x[rows]).logits
+                    loss = F.cross_entropy(logits.flatten(0, 1).float(), y[rows].flatten()) / n_micro
                 loss.backward()
                 losses.append(loss.detach())
             torch.nn.utils.clip_grad_norm_(model.parameters(), self.grad_clip, foreach=True)
@@ -165,8 +163,13 @@ class HandWrittenSide:
         return elapsed
 
 
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with sharded (DTensor) entries gathered, so a plain model can load it."""
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in unwrap(model).state_dict().items()}
+
+
 def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    sa, sb = a.state_dict(), b.state_dict()
+    sa, sb = full_state(a), full_state(b)
     return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
 
             for side in sides:
                 side.run(args.warmup)
-            ct.log_calls = 0
+            logged_before = ct.logged_losses()
 
             rates: dict[str, list[float]] = {s.name: [] for s in sides}
             tokens = tokens_per_step * args.steps_per_round
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"spread (max-min)/median: clustertrain {100 * spread['clustertrain']:.1f}%, "
                   f"hand-written {100 * spread['hand-written']:.1f}%")
             print(f"last loss: clustertrain {ct.last_loss:.4f} (step {trainer.step}), hand-written "
-                  f"{hand.last_loss:.4f}; clustertrain metric log calls in the timed rounds: {ct.log_calls}")
+                  f"{hand.last_loss:.4f}; clustertrain metrics calls in the timed steps: {ct.logged_losses() - logged_before}")
             best = max(rates["clustertrain"]) / max(rates["hand-written"])
             print(f"median paired ratio {statistics.median(paired):.3f}, ratio of best rounds {best:.3f}; "
                   f"ratio of medians {ratio:.3f} {verdict} the bar of {BAR}")

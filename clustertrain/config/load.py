@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from clustertrain.config.schema import RunConfig
+from clustertrain.config.schema import ModelConfig, RunConfig
 from clustertrain.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -29,10 +29,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         raw = read_config_file(Path(path))
         raw.setdefault("name", Path(path).stem)
-    for item in overrides:
-        key, value = parse_override(item)
+    parsed = [parse_override(item) for item in overrides]
+    _keep_default_model_fields(raw, [key for key, _ in parsed])
+    for key, value in parsed:
         set_dotted(raw, key, value)
     return validate(raw)
+
+
+def _keep_default_model_fields(raw: dict[str, Any], keys: list[str]) -> None:
+    """`--set model.config.num_hidden_layers=8` on the default model changes one field, not all of them."""
+    model = raw.get("model", {})
+    if not isinstance(model, dict) or "config" in model or not any(k.startswith("model.config.") for k in keys):
+        return
+    defaults = ModelConfig()
+    if model.get("arch", defaults.arch) == defaults.arch:
+        raw.setdefault("model", {})["config"] = dict(defaults.config)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -119,60 +119,66 @@ class Trainer:
         """Build, resume, train to the budget (or `train.stop_after_steps`), save; close on every path."""
         try:
             self.build()
-            resumed = self.resume()
-            return self._loop(resumed)
+            self.start(self.resume())
+            self.train_steps(self.stop_step - self.step)
+            return self.finish()
         finally:
             self.close()
 
-    def _loop(self, resumed: Path | None) -> RunSummary:
+    def start(self, resumed: Path | None) -> None:
+        """Open the metrics sinks and say what this run is about to do."""
         cfg = self.config
         self.logger = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.step, enabled=self.rank0,
             tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress,
         )
         self._announce(resumed)
-        summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
-        stop_at = self.total_steps
+        self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
+        self.saved_step = self.step if resumed else None
+        self.stop_step = self.total_steps
         if cfg.train.stop_after_steps:
-            stop_at = min(stop_at, self.step + cfg.train.stop_after_steps)
-        autocast = autocast_dtype(cfg.parallel)
-        timer = _Timer(self.step)
-        saved_step = self.step if resumed else None
-        while self.step < stop_at:
+            self.stop_step = min(self.total_steps, self.step + cfg.train.stop_after_steps)
+        self._autocast = autocast_dtype(cfg.parallel)
+        self._timer = _Timer(self.step)
+
+    def train_steps(self, n: int) -> None:
+        """Run `n` optimizer steps, with logging, evaluation and checkpoints on their schedule."""
+        cfg = self.config
+        for _ in range(n):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
             batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
             result = train_step(
                 self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
-                dp_size=self.mesh.dp_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=autocast,
+                dp_size=self.mesh.dp_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast,
             )
             self.step += 1
             self.tokens_seen += self.tokens_per_step
-            if self.step % cfg.metrics.log_every == 0 or self.step in (1, stop_at):
-                self._log(result, timer)
-                timer.reset(self.step)
+            if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
+                self._log(result)
             if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == self.total_steps):
-                summary.eval_loss = self._evaluate()
-                timer.reset(self.step)
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == stop_at:
-                summary.checkpoint = self.save()
-                saved_step = self.step
-                timer.reset(self.step)
-        if saved_step != self.step:
-            summary.checkpoint = self.save()
+                self.summary.eval_loss = self._evaluate()
+            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == self.stop_step:
+                self.save()
+
+    def finish(self) -> RunSummary:
+        """Save the last step if needed, sample, and report the whole run's curve (across resumes)."""
+        if self.saved_step != self.step:
+            self.save()
+        summary = self.summary
         summary.steps = self.step
-        self.logger.close()  # flushes metrics.jsonl, which holds the whole run's curve across resumes
+        self.logger.close()  # flushes metrics.jsonl
         if self.rank0:
             curve = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("loss") is not None]
             summary.first_loss = curve[0]["loss"] if curve else None
             summary.last_loss = curve[-1]["loss"] if curve else None
-        if self.step >= self.total_steps and cfg.train.sample_tokens:
-            summary.sample = self.sample("def ", cfg.train.sample_tokens)
+        if self.step >= self.total_steps and self.config.train.sample_tokens:
+            summary.sample = self.sample("def ", self.config.train.sample_tokens)
         return summary
 
-    def _log(self, result: StepResult, timer: _Timer) -> None:
+    def _log(self, result: StepResult) -> None:
         loss = global_mean_loss(result, self.mesh.dp_size)
-        elapsed, steps = timer.elapsed(self.step)
+        elapsed, steps = self._timer.elapsed(self.step)
         tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
         world = dist.get_world_size()
         mfu = None
@@ -188,6 +194,7 @@ class Trainer:
             "mem_gb": memory_gb(self.device),
             "tokens": self.tokens_seen,
         })
+        self._timer.reset(self.step)
 
     @torch.no_grad()
     def _evaluate(self) -> float:
@@ -203,6 +210,7 @@ class Trainer:
         self.model.train()
         loss = (totals[0] / totals[1]).item()
         self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
+        self._timer.reset(self.step)  # evaluation time is not training throughput
         return loss
 
     # ---- checkpoint --------------------------------------------------------------------------
@@ -221,9 +229,12 @@ class Trainer:
             (folder / "config.yaml").write_text(dump_config(self.config))
             self.tokenizer.save_pretrained(folder / "tokenizer")
 
-        return ckpt.save_checkpoint(
+        path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.model, self.optimizer, state, write_extras
         )
+        self.summary.checkpoint, self.saved_step = path, self.step
+        self._timer.reset(self.step)
+        return path
 
     # ---- sample ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from helpers import losses, run_cli, train, TINY
 
@@ -15,7 +17,11 @@ LAYOUTS = {
     "zero3": dict(nproc=2, overrides=["parallel.strategy=zero3"]),
     "hybrid_zero2": dict(nproc=2, overrides=["parallel.strategy=hybrid_zero2", "parallel.hybrid_shard_size=1"]),
     "hybrid_zero3_2x2": dict(nproc=4, overrides=["parallel.strategy=hybrid_zero3", "parallel.hybrid_shard_size=2"]),
+    "zero3_bf16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=bfloat16",
+                                           "train.eval_every=5"]),
+    "ddp_bf16": dict(nproc=2, overrides=["parallel.strategy=ddp", "parallel.param_dtype=bfloat16"]),
 }
+FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith("bf16")]
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +35,28 @@ def runs(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if n != "single"])
+@pytest.mark.parametrize("name", FP32)
 def test_layout_matches_one_rank(runs, name):
     reference, other = losses(runs["single"]), losses(runs[name])
     for step in range(1, 6):
         assert other[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16"])
+def test_bf16_tracks_fp32(runs, name):
+    reference, other = losses(runs["single"]), losses(runs[name])
+    for step in range(1, 6):
+        assert other[step] == pytest.approx(reference[step], rel=2e-2), f"step {step}"
+    assert other[1] != reference[1], "bf16 compute should not be bit-identical to fp32"
+
+
+def test_evaluation_is_logged(runs):
+    from clustertrain.train.metrics import read_jsonl
+
+    evals = [r for r in read_jsonl(runs["zero3_bf16"] / "metrics.jsonl") if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [5, 10]
+    assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
+    assert evals[1]["eval_ppl"] == pytest.approx(math.exp(evals[1]["eval_loss"]), rel=1e-6)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

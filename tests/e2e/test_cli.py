@@ -16,6 +16,8 @@ from helpers import run_cli
         (["train", "--nproc", "0"], "error: --nproc 0: must be at least 1"),
         (["train", "--set", "data.sources=[{format: text, path: /nonexistent/*.txt}]", "--set", "data.vocab_size=300"],
          "error: data source '/nonexistent/*.txt': no such file, directory or matching files"),
+        (["train", "--nproc", "2", "--set", "data.sources=[{format: text, path: /nonexistent/*.txt}]"],
+         "error: data source '/nonexistent/*.txt': no such file, directory or matching files"),
     ],
 )
 def test_user_errors_are_one_line_and_exit_2(args, message):

@@ -27,7 +27,14 @@ def test_overrides_are_typed_and_nested():
     config = load_config(None, ["optim.lr=3e-4", "optim.betas=[0.9, 0.99]", "model.config.hidden_size=96"])
     assert config.optim.lr == 3e-4
     assert config.optim.betas == (0.9, 0.99)
-    assert config.model.config == {"hidden_size": 96}
+    assert config.model.config["hidden_size"] == 96
+    assert config.model.config["num_hidden_layers"] == 4, "the other default fields stay"
+
+
+def test_model_config_from_a_file_replaces_the_default(tmp_path):
+    (tmp_path / "g.yaml").write_text("model:\n  arch: gpt2\n  config: {n_layer: 2}\n")
+    config = load_config(tmp_path / "g.yaml", ["model.config.n_embd=64"])
+    assert config.model.config == {"n_layer": 2, "n_embd": 64}
 
 
 def test_dump_round_trips(tmp_path):

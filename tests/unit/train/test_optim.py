@@ -18,3 +18,12 @@ def test_warmup_then_cosine_to_the_floor():
 def test_linear_and_constant(schedule, middle):
     optim = OptimConfig(lr=1.0, warmup_steps=10, schedule=schedule, min_lr_ratio=0.1)
     assert lr_at(60, 110, optim) == pytest.approx(middle)
+
+
+def test_token_budget_sets_the_step_count():
+    from clustertrain.config.load import load_config
+    from clustertrain.train.trainer import total_steps
+
+    config = load_config(None, ["train.tokens=100000", "train.global_batch_size=16", "data.seq_len=128"])
+    assert total_steps(config) == 49  # ceil(100000 / 2048)
+    assert total_steps(load_config(None, ["train.steps=7"])) == 7
