@@ -34,16 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except UserError as e:
-        if _is_rank0() or getattr(args, "log_all_ranks", False):
+        if is_rank0() or getattr(args, "log_all_ranks", False):
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130
 
 
-def _is_rank0() -> bool:
+def is_rank0() -> bool:
+    """Whether this process is rank 0 (the one that talks), with or without a process group."""
+    import torch.distributed as dist
+
     from clustertrain.dist.env import detect_launcher
 
+    if dist.is_initialized():
+        return dist.get_rank() == 0
     try:
         return detect_launcher().rank == 0
     except UserError:

@@ -30,10 +30,11 @@ def run(args: argparse.Namespace) -> int:
         argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []))
 
+    from clustertrain.cli import is_rank0
     from clustertrain.train.trainer import Trainer
 
     summary = Trainer(config).run()
-    if summary and _rank0():
+    if is_rank0():
         print_summary(summary)
     return 0
 
@@ -59,11 +60,3 @@ def print_summary(summary) -> None:
     for name, value in rows:
         console.print(Text.assemble((f"{name:>13}", "bold"), "  ", value), soft_wrap=True)
     sys.stdout.flush()
-
-
-def _rank0() -> bool:
-    import torch.distributed as dist
-
-    from clustertrain.dist.env import detect_launcher
-
-    return detect_launcher().rank == 0 if not dist.is_initialized() else dist.get_rank() == 0

@@ -28,10 +28,6 @@ class Mesh:
     def dp_rank(self) -> int:
         return dist.get_rank() if dist.is_initialized() else 0
 
-    @property
-    def is_rank0(self) -> bool:
-        return self.dp_rank == 0
-
     def shard_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: 1-D (dp_shard) or 2-D (dp_replicate, dp_shard) for hybrid sharding."""
         assert self.device_mesh is not None
