@@ -5,6 +5,8 @@
     torchrun --nproc_per_node 8 -m clustertrain train configs/tiny-llama.yaml
     srun -N 2 --ntasks-per-node 8 clustertrain train configs/tiny-llama.yaml
     clustertrain config show configs/tiny-llama.yaml
+    clustertrain tokenizer train configs/tiny-llama.yaml tokenizers/code-4k
+    clustertrain data audit runs/tiny-llama
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from clustertrain.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import config_cmd, train_cmd
+    from clustertrain.cli import config_cmd, data_cmd, tokenizer_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, config_cmd):
+    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd):
         module.add_parser(commands)
     return parser
 

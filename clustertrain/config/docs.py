@@ -9,7 +9,7 @@ import json
 
 from pydantic import BaseModel
 
-from clustertrain.config.schema import RunConfig
+from clustertrain.config.schema import RunConfig, SourceConfig
 
 
 def render_reference() -> str:
@@ -30,6 +30,10 @@ def render_reference() -> str:
         for key, sub in section.model_fields.items():
             default = json.dumps(defaults[key])
             lines.append(f"| `{name}.{key}` | `{default}` | {(sub.description or '').replace('|', '/')} |")
+    lines += ["", "## `data.sources[]` entries", "", "| key | default | description |", "| --- | --- | --- |"]
+    for key, sub in SourceConfig.model_fields.items():
+        default = json.dumps(sub.default)
+        lines.append(f"| `{key}` | `{default}` | {(sub.description or '').replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -34,33 +34,80 @@ class ModelConfig(Section):
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
 
 
+SOURCE_FORMATS = ("auto", "text", "jsonl", "json", "parquet", "arrow", "hf_disk", "hf", "tokens", "stdlib")
+
+
 class SourceConfig(Section):
-    format: Literal["stdlib", "text"] = Field(
-        "stdlib", description="`stdlib`: the running Python's standard-library sources (every machine has them); "
-        "`text`: local .txt files."
+    path: str | None = Field(None, description="A file, a directory of shards, or a glob.")
+    hf_name: str | None = Field(None, description="A Hugging Face dataset name, read from the local HF cache (offline).")
+    hf_config: str | None = Field(None, description="The dataset's config (subset) name, for hf_name.")
+    split: str = Field("train", description="The dataset split, for hf_name and hf_disk.")
+    format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="auto (from the extension), text, jsonl, json, parquet, arrow, hf_disk (save_to_disk), hf, "
+        "tokens (.npy/.bin token ids), stdlib (the running Python's standard library).",
     )
-    path: str | None = Field(None, description="File, directory or glob (for `text`).")
-    max_bytes: int = Field(4_000_000, gt=0, description="Read at most this many bytes from the source.")
+    field: str = Field("text", description="The record field that holds the text (jsonl, json, parquet, arrow, hf).")
+    text_unit: Literal["file", "block"] = Field(
+        "file", description="For .txt: one document per file, or per blank-line-separated block."
+    )
+    token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of .bin token files.")
+    weight: float = Field(1.0, gt=0, description="Mixture weight (normalized over the sources).")
+    name: str | None = Field(None, description="Label in logs and audits; default: the file stem or dataset name.")
+    max_bytes: int | None = Field(None, gt=0, description="stdlib only: read at most this many bytes.")
 
     @model_validator(mode="after")
-    def _path_needed(self) -> SourceConfig:
-        if self.format == "text" and not self.path:
-            raise ValueError("format 'text' needs a path (a file, directory or glob)")
+    def _one_origin(self) -> SourceConfig:
+        if self.format == "stdlib":
+            return self
+        if (self.path is None) == (self.hf_name is None):
+            raise ValueError("give exactly one of path or hf_name")
+        if self.hf_name is not None and self.format not in ("auto", "hf"):
+            raise ValueError(f"hf_name sources are read with format 'hf', not {self.format!r}")
         return self
+
+    @property
+    def label(self) -> str:
+        """The source's name in logs, audits and sample fingerprints."""
+        if self.name:
+            return self.name
+        if self.format == "stdlib":
+            return "stdlib"
+        return self.hf_name or Path(self.path or "").stem or str(self.path)
 
 
 class DataConfig(Section):
+    mode: Literal["pretrain", "sft", "random"] = Field(
+        "pretrain",
+        description="pretrain: documents joined with EOS and packed; sft: prompt/response records, loss on "
+        "responses only; random: random token ids, no sources (pipeline checks).",
+    )
     sources: list[SourceConfig] = Field(
-        default_factory=lambda: [SourceConfig()], min_length=1,
-        description="Documents to train on: entries of {format: stdlib|text, path, max_bytes}.",
+        default_factory=lambda: [SourceConfig(format="stdlib", max_bytes=4_000_000)], min_length=1,
+        description="Where documents come from: entries with path or hf_name, format, field, weight.",
+    )
+    mix_by: Literal["tokens", "rows"] = Field(
+        "tokens",
+        description="Mixture weights count tokens (each sequence is drawn from one source) or rows (each document "
+        "is drawn from a source, then packed).",
     )
     seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
+    seed: int | None = Field(None, description="Seeds the data order and mixture; default train.seed.")
+    shuffle_buffer: int = Field(
+        1024, ge=1, description="Documents are shuffled within consecutive windows of this many (1: no shuffle)."
+    )
+    doc_masking: bool = Field(False, description="Attention does not cross document boundaries inside a sequence.")
+    on_bad_data: Literal["error", "skip"] = Field(
+        "error", description="A malformed record stops the run with its file and line, or is skipped and counted."
+    )
+    audit: bool = Field(False, description="Append every global batch's sample fingerprints to samples.jsonl.")
+    num_workers: int = Field(1, ge=0, description="Tokenizing worker processes per rank (0: in the training process).")
     tokenizer: str | None = Field(
         None, description="HF tokenizer directory; empty: train a byte-level BPE on the sources and cache it."
     )
     vocab_size: int = Field(4096, ge=300, description="Vocabulary size of a tokenizer trained locally.")
-    eval_fraction: float = Field(0.01, ge=0, lt=0.5, description="Share of sequences held out for evaluation.")
-    cache_dir: str | None = Field(None, description="Tokenizer and token caches; default ~/.cache/clustertrain.")
+    eval_fraction: float = Field(0.01, ge=0, lt=0.5, description="Share of each source's documents held out.")
+    cache_dir: str | None = Field(None, description="Tokenizer and index caches; default ~/.cache/clustertrain.")
 
 
 class ParallelConfig(Section):

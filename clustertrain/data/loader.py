@@ -1,95 +1,134 @@
-"""A global, rank-independent order of packed sequences, dealt to data-parallel ranks.
+"""Global batches from K logical streams, dealt to data-parallel ranks; a position that moves between rank counts.
 
-Global batch k holds the sequences at global positions [k*G, (k+1)*G) of an endless stream of
-per-epoch permutations seeded by (seed, epoch). The order therefore depends only on the data and the
-seed; a rank reads the contiguous slice of each global batch that belongs to its data-parallel index,
-and the saved position (`batches`, a count of global batches) restores on any number of ranks in O(1).
+Row j of every global batch comes from stream j (K = train.global_batch_size streams). Each stream is an
+independent, deterministic pipeline over its own slice of every source (see pack.py), so the sequence of
+global batches depends only on the config and the seed. Data-parallel rank r serves the contiguous block
+of streams [r*K/dp, (r+1)*K/dp). The saved position is every stream's cursor, a few integers each: on
+resume, any data-parallel degree that divides K picks up its streams' cursors and continues exactly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from collections import Counter, deque
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from clustertrain.data.plan import DataPlan
 from clustertrain.errors import ConfigError, DataError
 
 
-@dataclass(frozen=True)
-class PackedSequences:
-    """Fixed windows of `seq_len + 1` tokens over one token array; window i starts at i*seq_len."""
+class _RankStreams(IterableDataset):
+    """Yields (stream id, sequence tensors, stream state after it, skip counts) round-robin over streams."""
 
-    tokens: np.ndarray
-    seq_len: int
-    first: int = 0
-    count: int | None = None
+    def __init__(self, plan: DataPlan, stream_ids: list[int], states: dict[int, Any], split: str):
+        self.plan, self.stream_ids, self.states, self.split = plan, stream_ids, states, split
 
-    def __len__(self) -> int:
-        total = (len(self.tokens) - 1) // self.seq_len
-        return total - self.first if self.count is None else self.count
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        start = (self.first + i) * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
-
-    def split(self, eval_fraction: float) -> tuple[PackedSequences, PackedSequences]:
-        """Train and held-out windows: the last `eval_fraction` of the windows (at least one) are held out."""
-        n = len(self)
-        n_eval = max(1, round(n * eval_fraction)) if eval_fraction > 0 else 0
-        if n - n_eval < 1:
-            raise DataError(f"the data holds {n} sequences of {self.seq_len} tokens: too few to train on")
-        train = PackedSequences(self.tokens, self.seq_len, self.first, n - n_eval)
-        held_out = PackedSequences(self.tokens, self.seq_len, self.first + n - n_eval, n_eval)
-        return train, held_out
+    def __iter__(self) -> Iterator[tuple]:
+        worker = get_worker_info()
+        mine = self.stream_ids if worker is None else self.stream_ids[worker.id :: worker.num_workers]
+        streams = {s: self.plan.stream(s, self.split, self.states.get(s)) for s in mine}
+        while True:
+            for s in mine:
+                seq = streams[s].next()
+                yield s, seq, streams[s].state_dict(), streams[s].take_skipped()
 
 
-class GlobalBatchLoader:
-    """Serves this rank's share of each global batch; `state_dict()` is the same on every rank."""
+class StreamLoader:
+    """This rank's share of each global batch, and the global position (same on every rank once gathered)."""
 
-    def __init__(self, sequences: PackedSequences, global_batch_size: int, dp_rank: int, dp_size: int,
-                 seed: int, shuffle: bool = True):
-        if global_batch_size % dp_size:
+    def __init__(self, plan: DataPlan, dp_rank: int, dp_size: int, num_workers: int = 0, split: str = "train"):
+        self.plan, self.split, self.num_workers = plan, split, num_workers
+        self.num_streams = plan.num_streams  # one stream per row of the global batch
+        if self.num_streams % dp_size:
             raise ConfigError(
-                f"train.global_batch_size = {global_batch_size} is not divisible by the {dp_size} data-parallel "
+                f"train.global_batch_size = {self.num_streams} is not divisible by the {dp_size} data-parallel "
                 f"ranks; use a multiple of {dp_size}"
             )
-        self.sequences = sequences
-        self.global_batch_size = global_batch_size
-        self.local_batch_size = global_batch_size // dp_size
-        self.dp_rank = dp_rank
-        self.seed = seed
-        self.shuffle = shuffle
+        per_rank = self.num_streams // dp_size
+        self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
+        self.states: dict[int, Any] = {}
         self.batches = 0
+        self.skipped: Counter = Counter()
+        self._iterator: Iterator | None = None
+        self._queues: dict[int, deque] = {s: deque() for s in self.stream_ids}
 
-    def state_dict(self) -> dict[str, int]:
-        return {"batches": self.batches, "sequences": len(self.sequences), "seed": self.seed}
+    # ---- position ------------------------------------------------------------------------------
+    def local_state(self) -> dict[str, Any]:
+        return {"batches": self.batches, "streams": {s: self.states.get(s) for s in self.stream_ids}}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state.get("sequences") != len(self.sequences) or state.get("seed") != self.seed:
+    def state_dict(self) -> dict[str, Any]:
+        """The global position: every rank's stream cursors (a collective when distributed)."""
+        parts = [self.local_state()]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, self.local_state())
+        return self.global_state(parts)
+
+    def global_state(self, parts: list[dict[str, Any]]) -> dict[str, Any]:
+        """Merge the local states of all data-parallel ranks into the global position."""
+        streams: dict[int, Any] = {}
+        for part in parts:
+            streams.update(part["streams"])
+        return {
+            "batches": self.batches,
+            "num_streams": self.num_streams,
+            "fingerprint": self.plan.fingerprint(),
+            "streams": [streams.get(s) for s in range(self.num_streams)],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a global position saved on any number of ranks."""
+        if state.get("num_streams") != self.num_streams:
             raise DataError(
-                f"the checkpoint's data position was taken over {state.get('sequences')} sequences with seed "
-                f"{state.get('seed')}, but this run has {len(self.sequences)} with seed {self.seed}: "
-                "the data or data.seq_len changed"
+                f"the checkpoint's data position has {state.get('num_streams')} streams (its "
+                f"train.global_batch_size), this run has {self.num_streams}: keep train.global_batch_size to resume"
+            )
+        if state.get("fingerprint") != self.plan.fingerprint():
+            raise DataError(
+                "the checkpoint's data position was taken over other data: data.sources, data.seq_len, data.seed, "
+                "data.mode, data.mix_by or data.shuffle_buffer changed; restore them to resume"
             )
         self.batches = state["batches"]
+        self.states = {s: state["streams"][s] for s in self.stream_ids}
+        self._iterator = None
 
-    def next_batch(self) -> dict[str, torch.Tensor]:
-        """This rank's rows of the next global batch: `input_ids` and `labels`, each [local_batch, seq_len]."""
-        start = self.batches * self.global_batch_size + self.dp_rank * self.local_batch_size
-        rows = np.stack([self.sequences[self._index(g)] for g in range(start, start + self.local_batch_size)])
+    # ---- batches -------------------------------------------------------------------------------
+    def next_batch(self) -> dict[str, Any]:
+        """This rank's rows of the next global batch: tensors `input_ids`, `labels`, `position_ids`
+        ([rows, seq_len]), plus `origins` (per-row fingerprints) and `tokens_by_source` (a Counter)."""
+        if self._iterator is None:
+            self._iterator = self._start()
+            self._queues = {s: deque() for s in self.stream_ids}
+        while any(not q for q in self._queues.values()):
+            s, seq, state, skipped = next(self._iterator)
+            self._queues[s].append((seq, state, skipped))
+        rows, origins, tokens = [], [], Counter()
+        for s in self.stream_ids:
+            seq, state, skipped = self._queues[s].popleft()
+            rows.append(seq)
+            origins.append((s, *seq.origin))
+            tokens.update({self.plan.labels[slot]: n for slot, n in seq.tokens_by_slot.items()})
+            self.states[s] = state
+            self.skipped.update(skipped)
         self.batches += 1
-        window = torch.from_numpy(rows.astype(np.int64))
-        return {"input_ids": window[:, :-1], "labels": window[:, 1:]}
+        stack = lambda name: torch.from_numpy(np.stack([getattr(r, name) for r in rows]))  # noqa: E731
+        return {
+            "input_ids": stack("input_ids"),
+            "labels": stack("labels"),
+            "position_ids": stack("position_ids"),
+            "origins": origins,
+            "tokens_by_source": tokens,
+        }
 
-    def _index(self, position: int) -> int:
-        epoch, offset = divmod(position, len(self.sequences))
-        if not self.shuffle:
-            return offset
-        return int(_permutation(len(self.sequences), self.seed, epoch)[offset])
-
-
-@lru_cache(maxsize=2)
-def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    def _start(self) -> Iterator:
+        dataset = _RankStreams(self.plan, self.stream_ids, dict(self.states), self.split)
+        if self.num_workers == 0:
+            return iter(dataset)
+        workers = min(self.num_workers, len(self.stream_ids))
+        return iter(DataLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=4,
+                               collate_fn=lambda item: item))

@@ -1,30 +1,215 @@
-"""Where documents come from: the embedded standard-library corpus and local text files."""
+"""Where documents come from: local files of several formats, HF datasets, and the standard library.
+
+A source is index-addressable: `len(source)` comes from file metadata or a cached index, and
+`source.read(start, stop)` starts at any document in O(shards) plus a bounded skip, so the loader can
+split a source into ranges and resume each at an arbitrary document. Nothing reads a whole file into
+memory except .json files (small by nature) and .txt files in `text_unit: file` mode (the file is the
+document).
+
+    source = open_source(SourceConfig(path="data/*.jsonl"), cache_dir=Path("~/.cache/clustertrain"))
+    for doc in source.read(5000, 5003):
+        print(doc.location, text_of(doc, "text")[:40])
+
+Document indices count every record the files hold, bad ones included, so they stay stable whether
+bad records are skipped or fixed. Whitespace-only lines of jsonl files are not records: they take no
+index and are never reported. An empty file (no records) is reported at open and takes no index,
+except a non-empty but whitespace-only .txt in file mode, found when read. Locations name 1-based lines (`a.jsonl:17`) and 0-based rows
+(`a.parquet row 5`, `a.json record 5`).
+"""
 
 from __future__ import annotations
 
 import glob
+import os
 import sysconfig
-from collections.abc import Iterator
+from bisect import bisect_right
+from collections import OrderedDict
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 
 from clustertrain.config.schema import SourceConfig
+from clustertrain.data import readers
+from clustertrain.data.readers import BadData, Row, Shard, json_type
 from clustertrain.errors import DataError
 
+EXTENSIONS = {
+    ".txt": "text",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".npy": "tokens",
+    ".bin": "tokens",
+}
 
-def read_documents(source: SourceConfig) -> Iterator[str]:
-    """Yield the documents of one source in a fixed order, up to `source.max_bytes` bytes."""
-    files = stdlib_files() if source.format == "stdlib" else text_files(source.path or "")
-    budget = source.max_bytes
-    for path in files:
-        if budget <= 0:
-            return
-        try:
-            text = path.read_bytes()[:budget].decode("utf-8", errors="replace")
-        except OSError as e:
-            raise DataError(f"cannot read {path}: {e.strerror}") from None
-        budget -= len(text.encode())
-        if text.strip():
-            yield text
+
+@dataclass(frozen=True)
+class Document:
+    """One record of a source.
+
+    Attributes:
+        index: 0-based position in the source, stable for the same files.
+        record: `{"text": ...}` for text and stdlib sources, the whole record for the others.
+        location: where it is, for messages: `data/a.jsonl:17` or `data/a.parquet row 5`.
+    """
+
+    index: int
+    record: dict
+    location: str
+
+
+class Source:
+    """The documents of one configured source, across its shards, addressable by index.
+
+    A read that ends inside a shard parks the shard's reader, so the read that starts where it stopped
+    goes on without reopening or skipping (streams read consecutive windows); up to PARKED readers are
+    kept, one per stream sharing the source. Not thread-safe.
+
+    Attributes:
+        label: the source's name in logs (`SourceConfig.label`).
+        format: the resolved format (`auto` decided); text and stdlib records hold their text in "text".
+        skipped: reason -> count of records skipped under `on_bad_data: skip`.
+    """
+
+    PARKED = 16
+
+    def __init__(self, label: str, fmt: str, shards: list[Shard], bad: BadData) -> None:
+        self.label, self.format = label, fmt
+        self.skipped = bad.skipped
+        self._shards = shards
+        self._starts = list(accumulate((shard.count for shard in shards), initial=0))
+        self._parked: OrderedDict[int, tuple[int, Generator[Row, None, None], Row]] = OrderedDict()
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_parked": OrderedDict()}  # open readers stay with their process
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __repr__(self) -> str:
+        return f"Source({self.label!r}, {len(self)} documents in {len(self._shards)} shards)"
+
+    def read(self, start: int, stop: int) -> Iterator[Document]:
+        """The documents with indices in [start, stop), in order, without the skipped ones."""
+        start, stop = max(start, 0), min(stop, len(self))
+        if self._pid != os.getpid():  # a forked worker must not share its parent's file positions
+            self._parked, self._pid = OrderedDict(), os.getpid()
+        while start < stop:
+            if start in self._parked:
+                shard, rows, row = self._parked.pop(start)
+            else:
+                shard = bisect_right(self._starts, start) - 1
+                rows, row = self._shards[shard].read(start - self._starts[shard], self._shards[shard].count), None
+            base, end = self._starts[shard], self._starts[shard + 1]
+            limit = min(stop, end)
+            while (row := row or next(rows, None)) is not None and base + row[0] < limit:
+                yield Document(base + row[0], row[1], row[2])
+                row = None
+            if row is not None:
+                self._park(limit, shard, rows, row)
+            start = limit
+
+    def _park(self, start: int, shard: int, rows: Generator[Row, None, None], row: Row) -> None:
+        self._parked[start] = (shard, rows, row)
+        if len(self._parked) > self.PARKED:
+            _, (_, oldest, _) = self._parked.popitem(last=False)
+            oldest.close()
+
+
+def open_source(source: SourceConfig, *, on_bad_data: str = "error", cache_dir: Path) -> Source:
+    """Open a configured source; empty or unreadable files are reported here, bad records when read.
+
+    Args:
+        source: the source's config section.
+        on_bad_data: "error" raises a DataError naming the file and line or row; "skip" counts the
+            reason in `Source.skipped` and leaves the record out.
+        cache_dir: the cache root; line indices of jsonl and text-block files go to `cache_dir/index/`.
+
+    Raises:
+        DataError: a missing path, an unreadable file or an uncached HF dataset.
+        ValueError: for `tokens` sources, which are not documents.
+    """
+    bad = BadData(on_bad_data)
+    fmt = source.format
+    if fmt == "stdlib":
+        shards: list[Shard] = [readers.TextFiles(_stdlib_budget(source.max_bytes), bad, lenient=True)]
+    elif source.hf_name is not None or fmt == "hf":
+        if source.hf_name is None:
+            raise DataError(f"data source {source.path!r}: format hf reads hf_name, not a path (see hf_disk)")
+        fmt = "hf"
+        shards = [readers.open_hf(source.hf_name, source.hf_config, source.split)]
+    else:
+        fmt, files = resolve_files(source.path or "", source.format)
+        if fmt == "tokens":
+            raise ValueError(f"data source {source.path!r}: token files are not documents; they are read elsewhere")
+        if fmt == "hf_disk":
+            shards = [readers.open_hf_disk(files[0], source.split)]
+        else:
+            shards = readers.open_files(
+                fmt, files, text_unit=source.text_unit, cache_dir=Path(cache_dir).expanduser(), bad=bad
+            )
+    return Source(source.label, fmt, shards, bad)
+
+
+def text_of(doc: Document, field: str) -> str:
+    """The string in `doc.record[field]`; a DataError naming the document when it is missing or not a string."""
+    if field not in doc.record:
+        fields = ", ".join(map(str, doc.record)) or "none"
+        raise DataError(f"{doc.location}: record has no field '{field}' (fields: {fields})")
+    value = doc.record[field]
+    if not isinstance(value, str):
+        raise DataError(f"{doc.location}: field '{field}' is {json_type(value)}, not a string")
+    return value
+
+
+def resolve_files(pattern: str, fmt: str = "auto") -> tuple[str, list[Path]]:
+    """The format and the sorted files of a path, a directory or a glob.
+
+    A directory written by `save_to_disk` is one `hf_disk` source. Other directories are searched
+    recursively for data files (hidden ones and unknown extensions left out); under `format: auto`
+    their extensions must agree.
+    """
+    path = Path(pattern).expanduser()
+    if path.is_dir():
+        if fmt == "hf_disk" or (fmt == "auto" and _saved_dataset(path)):
+            return "hf_disk", [path]
+        found = (
+            p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
+        )
+        files = sorted(p for p in found if _format_of(p) == fmt or (fmt == "auto" and _format_of(p)))
+        if not files:
+            wanted = fmt if fmt != "auto" else "data"
+            raise DataError(f"data source {pattern!r}: no {wanted} files ({', '.join(EXTENSIONS)}) in the directory")
+    elif path.is_file():
+        files = [path]
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+        if not files:
+            raise DataError(f"data source {pattern!r}: no such file, directory or matching files")
+    if fmt == "hf_disk":
+        raise DataError(f"data source {pattern!r}: hf_disk needs a directory written by save_to_disk")
+    if fmt != "auto":
+        return fmt, files
+    formats = {_format_of(p) for p in files}
+    if None in formats:
+        unknown = next(p for p in files if _format_of(p) is None)
+        raise DataError(f"{unknown}: cannot tell the format from the extension; set format ({', '.join(EXTENSIONS)})")
+    if len(formats) > 1:
+        mixed = " and ".join(sorted(formats))
+        raise DataError(f"data source {pattern!r}: mixes {mixed} files; set format or narrow the glob")
+    return formats.pop(), files
+
+
+def _format_of(path: Path) -> str | None:
+    return EXTENSIONS.get(path.suffix.lower())
+
+
+def _saved_dataset(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
 
 
 def stdlib_files() -> list[Path]:
@@ -37,15 +222,18 @@ def stdlib_files() -> list[Path]:
     )
 
 
-def text_files(pattern: str) -> list[Path]:
-    """Files named by a path, a directory (all .txt inside, recursively) or a glob, sorted."""
-    path = Path(pattern).expanduser()
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
-    elif path.is_file():
-        files = [path]
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
-    if not files:
-        raise DataError(f"data source {pattern!r}: no such file, directory or matching files")
+def _stdlib_budget(max_bytes: int | None) -> list[tuple[Path, int]]:
+    """(file, bytes to read) of the non-empty stdlib files, the last one cut so the total is at most max_bytes."""
+    files, budget = [], max_bytes
+    for path in stdlib_files():
+        size = path.stat().st_size
+        if size == 0:
+            continue
+        if budget is not None:
+            if budget <= 0:
+                break
+            size = min(size, budget)
+            budget -= size
+        files.append((path, size))
     return files
+

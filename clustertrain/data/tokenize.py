@@ -1,18 +1,19 @@
-"""Tokenizers (a local HF directory, or a byte-level BPE trained here and cached) and cached token arrays."""
+"""Tokenizers: a local HF directory, or a byte-level BPE trained here on the configured sources and cached."""
 
 from __future__ import annotations
 
 import hashlib
-import shutil
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from clustertrain.config.schema import DataConfig
-from clustertrain.data.sources import read_documents
+from clustertrain.data.sources import open_source, text_of
+from clustertrain.data.tokens import is_token_source
 from clustertrain.errors import DataError
 
 EOS = "<|endoftext|>"
@@ -25,7 +26,7 @@ def cache_root(data: DataConfig) -> Path:
 
 
 def sources_key(data: DataConfig) -> str:
-    """A short hash naming what the sources are, for cache paths."""
+    """A short hash naming what the sources are, for the tokenizer's cache path."""
     spec = json.dumps([s.model_dump() for s in data.sources], sort_keys=True)
     return hashlib.sha256(spec.encode()).hexdigest()[:16]
 
@@ -37,8 +38,13 @@ def tokenizer_dir(data: DataConfig) -> Path:
     return cache_root(data) / "tokenizers" / f"bpe{data.vocab_size}-{sources_key(data)}"
 
 
-def load_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase:
-    """Load the tokenizer of `data`, training and caching a byte-level BPE first when none is configured."""
+def load_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase | None:
+    """Load the tokenizer of `data`, training and caching a byte-level BPE first when none is configured.
+
+    Random-token data needs none (None is returned unless one is configured).
+    """
+    if data.mode == "random" and not data.tokenizer:
+        return None
     path = tokenizer_dir(data)
     if not data.tokenizer and not (path / "tokenizer.json").exists():
         train_bpe(data, path)
@@ -66,35 +72,39 @@ def train_bpe(data: DataConfig, out_dir: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator((doc for s in data.sources for doc in read_documents(s)), trainer)
+    tokenizer.train_from_iterator(training_texts(data), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, bos_token=EOS, pad_token=EOS)
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     fast.save_pretrained(tmp)
     _publish(tmp, out_dir)
 
 
-def token_cache_path(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> Path:
-    """The cached token array for these sources and this tokenizer."""
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items())).encode()
-    key = hashlib.sha256(vocab + sources_key(data).encode()).hexdigest()[:16]
-    return cache_root(data) / "tokens" / f"{key}.npy"
+def training_texts(data: DataConfig) -> Iterator[str]:
+    """Every text of the configured sources (the text field, or all string fields of SFT records)."""
+    for config in data.sources:
+        if is_token_source(config):
+            continue
+        source = open_source(config, on_bad_data="skip", cache_dir=cache_root(data))
+        field = "text" if source.format in ("text", "stdlib") else config.field
+        for doc in source.read(0, len(source)):
+            if data.mode == "sft":
+                yield from _strings(doc.record)
+            else:
+                try:
+                    yield text_of(doc, field)
+                except DataError:
+                    continue
 
 
-def tokenize_sources(data: DataConfig, tokenizer: PreTrainedTokenizerBase) -> np.ndarray:
-    """All documents of all sources, tokenized and joined with EOS; cached on disk and memory-mapped."""
-    path = token_cache_path(data, tokenizer)
-    if not path.exists():
-        ids: list[int] = []
-        docs = [doc for s in data.sources for doc in read_documents(s)]
-        for encoded in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-            ids.extend(encoded)
-            ids.append(tokenizer.eos_token_id)
-        dtype = np.uint16 if len(tokenizer) <= 2**16 else np.uint32
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}.npy")
-        np.save(tmp, np.asarray(ids, dtype=dtype))
-        os.replace(tmp, path)
-    return np.load(path, mmap_mode="r")
+def _strings(value) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
 def _publish(tmp: Path, final: Path) -> None:

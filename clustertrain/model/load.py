@@ -9,16 +9,19 @@ from clustertrain.config.schema import ModelConfig
 from clustertrain.errors import ConfigError
 
 
-def build_hf_config(model: ModelConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-    """The HF config of `model.arch` with the user's fields, sized to the tokenizer's vocabulary."""
+def build_hf_config(
+    model: ModelConfig, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
+) -> PretrainedConfig:
+    """The HF config of `model.arch` with the user's fields, sized to the tokenizer's vocabulary (or `vocab_size`)."""
     fields = dict(model.config)
-    fields.setdefault("vocab_size", len(tokenizer))
-    if fields["vocab_size"] < len(tokenizer):
-        raise ConfigError(
-            f"model.config.vocab_size = {fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens"
-        )
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        fields.setdefault(name, getattr(tokenizer, name) if getattr(tokenizer, name) is not None else tokenizer.eos_token_id)
+    needed = len(tokenizer) if tokenizer is not None else vocab_size
+    fields.setdefault("vocab_size", needed)
+    if fields["vocab_size"] < needed:
+        raise ConfigError(f"model.config.vocab_size = {fields['vocab_size']} is smaller than the {needed} tokens needed")
+    if tokenizer is not None:
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(tokenizer, name)
+            fields.setdefault(name, value if value is not None else tokenizer.eos_token_id)
     try:
         return AutoConfig.for_model(model.arch, **fields)
     except (ValueError, TypeError) as e:

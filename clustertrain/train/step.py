@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-IGNORE_INDEX = -100
+from clustertrain.data.pack import IGNORE_INDEX
 
 
 @dataclass
@@ -24,9 +24,15 @@ class StepResult:
     grad_norm: torch.Tensor
 
 
-def token_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross entropy over the labels that are not IGNORE_INDEX."""
-    logits = model(input_ids=input_ids).logits
+def token_loss_sum(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Summed next-token cross entropy over the labels that are not IGNORE_INDEX.
+
+    `position_ids` that restart inside a row mark packed documents; transformers then masks attention
+    across them.
+    """
+    logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
@@ -66,7 +72,10 @@ def train_step(
         last = i == n_micro - 1
         sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
         with sync, _autocast(batch["input_ids"].device, autocast_dtype):
-            loss_sum = token_loss_sum(model, batch["input_ids"][rows], batch["labels"][rows])
+            positions = batch.get("position_ids")
+            loss_sum = token_loss_sum(
+                model, batch["input_ids"][rows], batch["labels"][rows], None if positions is None else positions[rows]
+            )
             (loss_sum * dp_size / total_tokens).backward()
         local_loss += loss_sum.detach()
     grad_norm = clip_grad_norm(model, grad_clip)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import resource
+from collections import Counter
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,11 @@ import torch.distributed as dist
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
-from clustertrain.data.loader import GlobalBatchLoader, PackedSequences
-from clustertrain.data.tokenize import load_tokenizer, tokenize_sources
+from clustertrain.data.audit import AuditLog
+from clustertrain.data.loader import StreamLoader
+from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.data.plan import DataPlan
+from clustertrain.data.tokenize import cache_root, load_tokenizer
 from clustertrain.dist.env import RankInfo, detect_launcher
 from clustertrain.dist.init import close_distributed, init_distributed, rank0_first
 from clustertrain.dist.mesh import build_mesh
@@ -69,14 +73,16 @@ class Trainer:
         self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
 
         self.tokenizer = rank0_first(lambda: load_tokenizer(cfg.data))
-        tokens = rank0_first(lambda: tokenize_sources(cfg.data, self.tokenizer))
-        train_seqs, eval_seqs = PackedSequences(tokens, cfg.data.seq_len).split(cfg.data.eval_fraction)
-        dp = dict(dp_rank=self.mesh.dp_rank, dp_size=self.mesh.dp_size)
-        self.loader = GlobalBatchLoader(train_seqs, cfg.train.global_batch_size, seed=cfg.train.seed, **dp)
-        self.eval_loader = GlobalBatchLoader(eval_seqs, cfg.train.global_batch_size, seed=0, shuffle=False, **dp)
+        self.data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+        self.plan = rank0_first(lambda: DataPlan(
+            cfg.data, self.tokenizer, cfg.train.global_batch_size, self.data_seed, cache_root(cfg.data)
+        ))  # rank 0 first: it writes the source indexes the others then read
+        self.loader = self._loader("train")
         self.micro_batch_size = micro_batch_size(cfg, self.mesh.dp_size)
+        self.audit = AuditLog(self.run_dir / "samples.jsonl", self.plan.labels) if cfg.data.audit else None
+        self.mixture: Counter = Counter()
 
-        hf_config = build_hf_config(cfg.model, self.tokenizer)
+        hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
         meta = build_meta_model(cfg.model, hf_config)
         self.params = count_params(meta)
         self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
@@ -114,6 +120,10 @@ class Trainer:
         self.loader.load_state_dict(state["data"])
         return path
 
+    def _loader(self, split: str) -> StreamLoader:
+        workers = self.config.data.num_workers if split == "train" else 0
+        return StreamLoader(self.plan, self.mesh.dp_rank, self.mesh.dp_size, workers, split)
+
     # ---- loop --------------------------------------------------------------------------------
     def run(self) -> RunSummary:
         """Build, resume, train to the budget (or `train.stop_after_steps`), save; close on every path."""
@@ -133,6 +143,8 @@ class Trainer:
             tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress,
         )
         self._announce(resumed)
+        if self.rank0:  # the run's own copy, for `clustertrain data audit` and for people
+            (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
         self.saved_step = self.step if resumed else None
         self.stop_step = self.total_steps
@@ -147,7 +159,7 @@ class Trainer:
         for _ in range(n):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in self.loader.next_batch().items()}
+            batch = self._next_batch(self.loader)
             result = train_step(
                 self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
                 dp_size=self.mesh.dp_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast,
@@ -156,10 +168,27 @@ class Trainer:
             self.tokens_seen += self.tokens_per_step
             if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
                 self._log(result)
-            if cfg.train.eval_every and (self.step % cfg.train.eval_every == 0 or self.step == self.total_steps):
+            if self._eval_due():
                 self.summary.eval_loss = self._evaluate()
             if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == self.stop_step:
                 self.save()
+
+    def _next_batch(self, loader: StreamLoader) -> dict[str, torch.Tensor]:
+        """The next batch on the device; position ids only when packed documents must not see each other."""
+        batch = loader.next_batch()
+        if loader is self.loader:
+            self.mixture.update(batch["tokens_by_source"])
+            if self.audit:
+                self.audit.record(self.step + 1, batch["origins"])
+        keys = ["input_ids", "labels"]
+        if self.config.data.doc_masking or self.config.data.mode == "sft":
+            keys.append("position_ids")
+        return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+
+    def _eval_due(self) -> bool:
+        every = self.config.train.eval_every
+        due = every and (self.step % every == 0 or self.step == self.total_steps)
+        return bool(due) and self.plan.has_eval()
 
     def finish(self) -> RunSummary:
         """Save the last step if needed, sample, and report the whole run's curve (across resumes)."""
@@ -172,7 +201,9 @@ class Trainer:
             curve = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("loss") is not None]
             summary.first_loss = curve[0]["loss"] if curve else None
             summary.last_loss = curve[-1]["loss"] if curve else None
-        if self.step >= self.total_steps and self.config.train.sample_tokens:
+        if self.audit:
+            self.audit.close()
+        if self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
             summary.sample = self.sample("def ", self.config.train.sample_tokens)
         return summary
 
@@ -193,19 +224,32 @@ class Trainer:
             "mfu": mfu,
             "mem_gb": memory_gb(self.device),
             "tokens": self.tokens_seen,
+            **self._data_metrics(),
         })
         self._timer.reset(self.step)
+
+    def _data_metrics(self) -> dict[str, float]:
+        """Realized mixture proportions (share of tokens per source so far) and skipped bad records, global."""
+        labels = self.plan.labels
+        counts = torch.tensor([self.mixture[l] for l in labels] + [sum(self.loader.skipped.values())],
+                              dtype=torch.float64)
+        dist.all_reduce(counts)
+        total = counts[:-1].sum().item() or 1.0
+        metrics = {f"mix/{l}": counts[i].item() / total for i, l in enumerate(labels)} if len(labels) > 1 else {}
+        if counts[-1] > 0:
+            metrics["data_skipped"] = int(counts[-1].item())
+        return metrics
 
     @torch.no_grad()
     def _evaluate(self) -> float:
         """Mean loss and perplexity over `train.eval_batches` held-out global batches."""
         self.model.eval()
-        self.eval_loader.batches = 0
+        loader = self._loader("eval")
         totals = torch.zeros(2, device=self.device)
         for _ in range(self.config.train.eval_batches):
-            batch = {k: v.to(self.device) for k, v in self.eval_loader.next_batch().items()}
-            totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"])
-            totals[1] += batch["labels"].numel()
+            batch = self._next_batch(loader)
+            totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
+            totals[1] += batch["labels"].ne(IGNORE_INDEX).sum()
         dist.all_reduce(totals)
         self.model.train()
         loss = (totals[0] / totals[1]).item()
@@ -220,14 +264,15 @@ class Trainer:
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "total_steps": self.total_steps,
-            "data": self.loader.state_dict(),
+            "data": self.loader.state_dict(),  # gathered from every rank: all must call save()
             "world_size": dist.get_world_size(),
             "strategy": self.config.parallel.strategy,
         }
 
         def write_extras(folder: Path) -> None:
             (folder / "config.yaml").write_text(dump_config(self.config))
-            self.tokenizer.save_pretrained(folder / "tokenizer")
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(folder / "tokenizer")
 
         path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.model, self.optimizer, state, write_extras

@@ -53,7 +53,7 @@ def test_dump_round_trips(tmp_path):
         (["parallel.strategy=zero4"], "config error: parallel.strategy = 'zero4': Input should be 'ddp', 'zero2'"),
         (["model.config.hiden_size=3"], "unknown key 'model.config.hiden_size' for llama (did you mean 'model.config.hidden_size'?)"),
         (["model.arch=lama"], "model.arch = 'lama' is not a transformers model type (did you mean llama"),
-        (["data.sources=[{format: text}]"], "data.sources.0: format 'text' needs a path"),
+        (["data.sources=[{format: text}]"], "data.sources.0: give exactly one of path or hf_name"),
         (["optim.lr"], "override 'optim.lr' must look like section.key=value"),
     ],
 )

@@ -1,70 +1,176 @@
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from clustertrain.data.loader import GlobalBatchLoader, PackedSequences
+from clustertrain.config.schema import DataConfig
+from clustertrain.data.loader import StreamLoader
+from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.data.plan import DataPlan
+from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.errors import ConfigError, DataError
 
-
-def sequences(n_tokens=1000, seq_len=8):
-    return PackedSequences(np.arange(n_tokens, dtype=np.uint16), seq_len)
+G = 12  # global batch: divisible by 1, 2, 3, 4
 
 
-def global_batches(dp_size, steps, start_state=None, seq=None):
-    """The rows of each global batch, reassembled from every rank's share."""
-    seq = seq or sequences()
-    loaders = [GlobalBatchLoader(seq, 12, rank, dp_size, seed=3) for rank in range(dp_size)]
-    if start_state:
-        for loader in loaders:
-            loader.load_state_dict(start_state)
-    return [torch.cat([l.next_batch()["input_ids"] for l in loaders]) for _ in range(steps)], loaders[0].state_dict()
+def write_jsonl(path, n, prefix, seed=0):
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            words = " ".join(f"{prefix}{int(w)}" for w in rng.integers(0, 50, rng.integers(3, 40)))
+            f.write(json.dumps({"text": f"doc {i} {words}"}) + "\n")
+    return path
 
 
-def test_windows_overlap_by_one_token_and_labels_shift():
-    seq = sequences()
-    assert len(seq) == (1000 - 1) // 8
-    batch = GlobalBatchLoader(seq, 4, 0, 1, seed=0, shuffle=False).next_batch()
-    assert batch["input_ids"][0].tolist() == list(range(8))
-    assert batch["labels"][0].tolist() == list(range(1, 9))
-    assert batch["input_ids"][1, 0] == 8
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    return {"a": write_jsonl(root / "a.jsonl", 300, "alpha", 1), "b": write_jsonl(root / "b.jsonl", 200, "beta", 2),
+            "root": root}
+
+
+def make_plan(corpus, **overrides):
+    fields = {"sources": [{"path": str(corpus["a"])}], "seq_len": 16, "vocab_size": 300, "shuffle_buffer": 8,
+              "cache_dir": str(corpus["root"] / "cache"), **overrides}
+    data = DataConfig.model_validate(fields)
+    return DataPlan(data, load_tokenizer(data), G, seed=5, cache_dir=corpus["root"] / "cache")
+
+
+def run(plan, dp_size, steps, state=None, workers=0):
+    """Global batches (rows reassembled in rank order) and the merged position after them."""
+    loaders = [StreamLoader(plan, rank, dp_size, workers) for rank in range(dp_size)]
+    for loader in loaders:
+        if state:
+            loader.load_state_dict(state)
+    batches = []
+    for _ in range(steps):
+        parts = [loader.next_batch() for loader in loaders]
+        batches.append({k: torch.cat([p[k] for p in parts]) for k in ("input_ids", "labels", "position_ids")}
+                       | {"origins": [o for p in parts for o in p["origins"]]})
+    return batches, loaders[0].global_state([loader.local_state() for loader in loaders])
+
+
+def same(a, b):
+    return all(torch.equal(x["input_ids"], y["input_ids"]) and x["origins"] == y["origins"] for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("dp_size", [2, 3, 4])
-def test_global_batches_do_not_depend_on_rank_count(dp_size):
-    reference, _ = global_batches(1, 20)
-    other, _ = global_batches(dp_size, 20)
-    for a, b in zip(reference, other):
-        assert torch.equal(a, b)
+def test_global_batches_do_not_depend_on_rank_count(corpus, dp_size):
+    plan = make_plan(corpus)
+    reference, _ = run(plan, 1, 12)
+    other, _ = run(plan, dp_size, 12)
+    assert same(reference, other)
 
 
-def test_position_resumes_on_another_rank_count():
-    reference, _ = global_batches(1, 30)
-    _, state = global_batches(4, 17)
-    resumed, _ = global_batches(2, 13, start_state=state)
-    for a, b in zip(reference[17:], resumed):
-        assert torch.equal(a, b)
+@pytest.mark.parametrize(("first", "second"), [(4, 2), (2, 1), (1, 3), (3, 4)])
+def test_position_resumes_exactly_on_another_rank_count(corpus, first, second):
+    plan = make_plan(corpus, sources=[{"path": str(corpus["a"]), "weight": 3}, {"path": str(corpus["b"])}])
+    reference, _ = run(plan, 1, 30)
+    _, state = run(plan, first, 17)
+    assert state["batches"] == 17
+    resumed, _ = run(make_plan(corpus, sources=[{"path": str(corpus["a"]), "weight": 3}, {"path": str(corpus["b"])}]),
+                     second, 13, state=json.loads(json.dumps(state)))
+    assert same(reference[17:], resumed)
 
 
-def test_an_epoch_serves_every_sequence_once_then_reshuffles():
-    seq = sequences(n_tokens=12 * 8 * 5 + 1)  # 60 windows = 5 global batches
-    batches, _ = global_batches(1, 10, seq=seq)
-    first = torch.cat(batches[:5])[:, 0].tolist()
-    second = torch.cat(batches[5:])[:, 0].tolist()
-    assert sorted(first) == sorted(second) == [8 * i for i in range(60)]
-    assert first != second
+def test_worker_processes_serve_the_same_batches(corpus):
+    plan = make_plan(corpus)
+    in_process, state0 = run(plan, 2, 8)
+    with_workers, state2 = run(plan, 2, 8, workers=2)
+    assert same(in_process, with_workers)
+    assert state0 == state2
 
 
-def test_split_holds_out_the_tail():
-    train, held_out = sequences().split(0.1)
-    assert len(train) + len(held_out) == len(sequences())
-    assert held_out[0][0] == train[len(train) - 1][0] + 8
+def test_no_sample_repeats_within_an_epoch(corpus):
+    batches, _ = run(make_plan(corpus), 1, 20)
+    origins = [o[1:] for b in batches for o in b["origins"]]
+    assert len(origins) == len(set(origins))
 
 
-def test_mismatched_state_and_indivisible_batch_are_user_errors():
-    loader = GlobalBatchLoader(sequences(), 12, 0, 1, seed=3)
-    with pytest.raises(DataError, match="data or data.seq_len changed"):
-        loader.load_state_dict({"batches": 3, "sequences": 5, "seed": 3})
+def test_packed_rows_are_contiguous_text_with_eos_between_documents(corpus):
+    plan = make_plan(corpus, shuffle_buffer=1, doc_masking=True)
+    batch, _ = run(plan, 1, 1)
+    row, labels, positions = batch[0]["input_ids"][0], batch[0]["labels"][0], batch[0]["position_ids"][0]
+    assert torch.equal(row[1:], labels[:-1])
+    eos = plan.tokenizer.eos_token_id
+    starts = (positions == 0).nonzero().flatten().tolist()
+    for start in starts[1:]:
+        assert row[start - 1] == eos, "a document starts right after the previous one's EOS"
+
+
+def test_token_weighted_mixture_realizes_its_weights(corpus):
+    plan = make_plan(corpus, sources=[{"path": str(corpus["a"]), "weight": 3}, {"path": str(corpus["b"])}])
+    loader = StreamLoader(plan, 0, 1)
+    tokens = {}
+    for _ in range(40):
+        for k, v in loader.next_batch()["tokens_by_source"].items():
+            tokens[k] = tokens.get(k, 0) + v
+    assert tokens["a"] / (tokens["a"] + tokens["b"]) == pytest.approx(0.75, abs=0.06)
+
+
+def test_row_weighted_mixture_packs_both_sources_into_rows(corpus):
+    plan = make_plan(corpus, mix_by="rows",
+                     sources=[{"path": str(corpus["a"])}, {"path": str(corpus["b"])}], seq_len=64)
+    rows = StreamLoader(plan, 0, 1).next_batch()
+    text = plan.tokenizer.decode(rows["input_ids"].flatten())
+    assert "alpha" in text and "beta" in text
+
+
+def test_sft_rows_carry_loss_only_on_responses(corpus, tmp_path):
+    path = tmp_path / "sft.jsonl"
+    with path.open("w") as f:
+        for i in range(60):
+            f.write(json.dumps({"prompt": f"question {i} alpha{i % 7} ", "completion": f"answer beta{i % 5}"}) + "\n")
+    plan = make_plan(corpus, mode="sft", sources=[{"path": str(path)}], seq_len=48)
+    batch = StreamLoader(plan, 0, 1).next_batch()
+    tok = plan.tokenizer
+    for row, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
+        trained = tok.decode([t for t in labels.tolist() if t != IGNORE_INDEX])
+        assert "answer" in trained and "question" not in trained
+        assert positions[0] == 0 and (positions == 0).sum() >= 2, "examples restart positions"
+
+
+def test_an_sft_example_longer_than_a_row_is_an_error_or_a_counted_skip(corpus, tmp_path):
+    path = tmp_path / "long.jsonl"
+    with path.open("w") as f:
+        for i in range(30):
+            f.write(json.dumps({"prompt": "q " * (200 if i == 3 else 2), "completion": "a"}) + "\n")
+    with pytest.raises(DataError, match="do not fit data.seq_len = 16"):
+        loader = StreamLoader(make_plan(corpus, mode="sft", sources=[{"path": str(path)}], shuffle_buffer=1), 0, 1)
+        for _ in range(3):
+            loader.next_batch()
+    loader = StreamLoader(make_plan(corpus, mode="sft", sources=[{"path": str(path)}], on_bad_data="skip",
+                                    shuffle_buffer=1), 0, 1)
+    for _ in range(3):
+        loader.next_batch()
+    assert loader.skipped["longer than seq_len"] >= 1
+
+
+def test_random_tokens_need_no_data(corpus):
+    plan = make_plan(corpus, mode="random", tokenizer=None)
+    a, _ = run(plan, 1, 2)
+    b, _ = run(plan, 2, 2)
+    assert same(a, b) and a[0]["input_ids"].max() < plan.data.vocab_size
+
+
+def test_token_files_are_windows_of_seq_len_plus_one(corpus, tmp_path):
+    ids = np.arange(17 * 40, dtype=np.uint16) % 250
+    ids.tofile(tmp_path / "shard0.bin")
+    np.save(tmp_path / "shard1.npy", ids.astype(np.uint32))
+    plan = make_plan(corpus, sources=[{"path": str(tmp_path / "shard*"), "format": "tokens"}], shuffle_buffer=1)
+    assert len(plan.sources[0]) == 80
+    batch = StreamLoader(plan, 0, 1).next_batch()
+    first = batch["input_ids"][0]
+    assert torch.equal(first, torch.from_numpy(ids[:16].astype(np.int64)))
+
+
+def test_mismatched_position_and_indivisible_batch_are_user_errors(corpus):
+    plan = make_plan(corpus)
+    _, state = run(plan, 1, 2)
+    with pytest.raises(DataError, match="data.sources, data.seq_len"):
+        StreamLoader(make_plan(corpus, seq_len=32), 0, 1).load_state_dict(state)
     with pytest.raises(ConfigError, match="not divisible by the 5 data-parallel ranks"):
-        GlobalBatchLoader(sequences(), 12, 0, 5, seed=3)
+        StreamLoader(plan, 0, 5)

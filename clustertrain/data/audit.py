@@ -1,0 +1,93 @@
+"""The resume audit: every global batch's sample fingerprints in samples.jsonl, and a report over them.
+
+A fingerprint is (source, document, token offset, epoch) of a row's first token: it names the sample. A
+run appends one line per global batch, across resumes; a step written twice (a killed run re-does the
+steps after its last checkpoint) counts once, the later record winning. The report replays the data
+order from the run's config and lists samples the run repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+
+class AuditLog:
+    """Appends the global batch's fingerprints (gathered from every rank) to `path` on rank 0."""
+
+    def __init__(self, path: Path, labels: list[str]):
+        self.path, self.labels = path, labels
+        self._file = None
+
+    def record(self, step: int, origins: list[tuple]) -> None:
+        """Every rank calls this with its rows' origins (stream, slot, document, offset, epoch)."""
+        parts = [origins]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+            dist.gather_object(origins, parts, dst=0)
+            if dist.get_rank() != 0:
+                return
+        rows = sorted(row for part in parts for row in part)
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a")
+        samples = [[self.labels[slot], doc, offset, epoch] for _, slot, doc, offset, epoch in rows]
+        self._file.write(json.dumps({"step": step, "samples": samples}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_audit(path: Path) -> dict[int, list[tuple]]:
+    """step -> fingerprints, the later record of a step winning."""
+    steps: dict[int, list[tuple]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            steps[record["step"]] = [tuple(s) for s in record["samples"]]
+    return steps
+
+
+def audit_report(recorded: dict[int, list[tuple]], expected: dict[int, list[tuple]] | None) -> dict[str, Any]:
+    """Repeated samples (within one epoch), skipped and unexpected ones against the replayed order, mixture."""
+    seen = Counter(s for samples in recorded.values() for s in samples)
+    report: dict[str, Any] = {
+        "steps": len(recorded),
+        "samples": sum(seen.values()),
+        "repeated": sorted(s for s, n in seen.items() if n > 1),
+        "missing_steps": sorted(set(range(1, max(recorded, default=0) + 1)) - set(recorded)),
+    }
+    sources = Counter(s[0] for samples in recorded.values() for s in samples)
+    report["proportions"] = {k: v / max(1, sum(sources.values())) for k, v in sorted(sources.items())}
+    if expected is not None:
+        want = Counter(s for step, samples in expected.items() if step in recorded for s in samples)
+        report["skipped"] = sorted((want - seen).elements())
+        report["unexpected"] = sorted((seen - want).elements())
+    return report
+
+
+def expected_samples(config, steps: int) -> dict[int, list[tuple]]:
+    """Replay the data order of `config` on one process: step -> fingerprints of steps 1..`steps`."""
+    from clustertrain.data.loader import StreamLoader
+    from clustertrain.data.plan import DataPlan
+    from clustertrain.data.tokenize import cache_root, load_tokenizer
+
+    data = config.data
+    seed = data.seed if data.seed is not None else config.train.seed
+    plan = DataPlan(data, load_tokenizer(data), config.train.global_batch_size, seed, cache_root(data))
+    loader = StreamLoader(plan, dp_rank=0, dp_size=1)
+    expected = {}
+    for step in range(1, steps + 1):
+        origins = sorted(loader.next_batch()["origins"])
+        expected[step] = [(plan.labels[slot], doc, offset, epoch) for _, slot, doc, offset, epoch in origins]
+    return expected

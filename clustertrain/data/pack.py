@@ -1,0 +1,202 @@
+"""Documents -> fixed-length training sequences, with a cursor small enough to checkpoint.
+
+A `DocumentOrder` walks one stream's slice of a source, shuffled within windows of `shuffle_buffer`
+documents and reshuffled every epoch; a `Cursor` walks one or several orders (a rows-weighted mixture);
+a `Packer` turns the documents under a cursor into sequences. Every position is a few integers, and
+restoring one re-reads and re-tokenizes at most one window: never the data before it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clustertrain.data.mixture import choose, window_permutation
+from clustertrain.data.sources import Document, Source
+from clustertrain.errors import DataError
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Encoded:
+    """One tokenized document: ids, and which ids carry loss (None: all of them)."""
+
+    ids: list[int]
+    loss_mask: list[bool] | None = None
+
+
+Encoder = Callable[[list[Document]], list[Encoded | None]]  # None: a bad record, skipped
+
+
+class DocumentOrder:
+    """The documents of `source[lo:hi]` in this stream's order (rotated by `rotate` when the slice is shared)."""
+
+    def __init__(self, source: Source, lo: int, hi: int, rotate: int, buffer: int, key: tuple[int, ...],
+                 encode: Encoder):
+        if hi <= lo:
+            raise DataError(f"data source {source.label!r} has no documents to read")
+        self.source, self.lo, self.length, self.rotate = source, lo, hi - lo, rotate
+        self.buffer, self.key, self.encode = buffer, key, encode
+        self._window: tuple[int, dict[int, Encoded | None]] | None = None
+
+    def at(self, epoch: int, pos: int) -> tuple[int, Encoded | None]:
+        """(document index, its encoding or None if skipped) at position `pos` of `epoch`."""
+        window, offset = divmod(pos, self.buffer)
+        size = min(self.buffer, self.length - window * self.buffer)
+        shuffled = window * self.buffer + int(window_permutation(size, *self.key, epoch, window)[offset])
+        index = self.lo + (shuffled + self.rotate) % self.length
+        return index, self._load(window, size)[index]
+
+    def _load(self, window: int, size: int) -> dict[int, Encoded | None]:
+        if self._window is None or self._window[0] != window:
+            start = (window * self.buffer + self.rotate) % self.length
+            pieces = [(start, min(start + size, self.length)), (0, max(0, start + size - self.length))]
+            docs = [d for a, b in pieces if b > a for d in self.source.read(self.lo + a, self.lo + b)]
+            encoded = dict.fromkeys(
+                (self.lo + (start + j) % self.length for j in range(size)), None
+            )  # records the source skipped stay None
+            encoded.update(zip((d.index for d in docs), self.encode(docs)))
+            self._window = (window, encoded)
+        return self._window[1]
+
+
+class Cursor:
+    """Walks documents from one order, or from several chosen per document by weight (mix_by: rows)."""
+
+    def __init__(self, orders: list[DocumentOrder], weights: tuple[float, ...], key: tuple[int, ...]):
+        self.orders, self.weights, self.key = orders, weights, key
+        self.count = 0
+        self.positions = [[0, 0] for _ in orders]  # [epoch, pos] per order
+
+    def current(self) -> tuple[int, int, Encoded | None]:
+        """(source slot, document index, encoding) under the cursor."""
+        slot = choose(self.weights, *self.key, self.count)
+        epoch, pos = self.positions[slot]
+        return (slot, *self.orders[slot].at(epoch, pos))
+
+    def current_epoch(self) -> int:
+        return self.positions[choose(self.weights, *self.key, self.count)][0]
+
+    def advance(self) -> None:
+        slot = choose(self.weights, *self.key, self.count)
+        position = self.positions[slot]
+        position[1] += 1
+        if position[1] == self.orders[slot].length:
+            position[0], position[1] = position[0] + 1, 0
+        self.count += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "positions": [list(p) for p in self.positions]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+        self.positions = [list(p) for p in state["positions"]]
+
+
+@dataclass
+class Sequence:
+    """One training row: `input_ids`, `labels`, `position_ids` (numpy, length seq_len), and where it came from."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    origin: tuple[int, int, int, int]  # (source slot, document, token offset, epoch) of its first token
+    tokens_by_slot: Counter
+
+
+class Packer:
+    """Pretraining: documents (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens.
+
+    SFT (`whole_examples=True`): examples are never split; an example that does not fit starts the next
+    sequence, the rest is padding with no loss, and position ids restart per example so attention (with
+    HF's packed-sequence masking) never crosses examples.
+    """
+
+    def __init__(self, cursor: Cursor, seq_len: int, pad_id: int, whole_examples: bool, on_bad_data: str,
+                 labels: list[str]):
+        self.cursor, self.seq_len, self.pad_id = cursor, seq_len, pad_id
+        self.whole_examples, self.on_bad_data, self.labels = whole_examples, on_bad_data, labels
+        self.offset = 0  # tokens of the current document already used
+        self.skipped: Counter = Counter()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.state_dict(), "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor.load_state_dict(state["cursor"])
+        self.offset = state["offset"]
+
+    def next(self) -> Sequence:
+        return self._next_example_pack() if self.whole_examples else self._next_window()
+
+    def _current(self) -> tuple[int, int, Encoded]:
+        while True:
+            slot, index, encoded = self.cursor.current()
+            if encoded is not None and len(encoded.ids) > 1:
+                return slot, index, encoded
+            self.skipped["empty or bad record"] += 1
+            self.cursor.advance()
+
+    def _next_window(self) -> Sequence:
+        need = self.seq_len + 1
+        ids: list[int] = []
+        positions: list[int] = []
+        tokens: Counter = Counter()
+        origin = None
+        while len(ids) < need:
+            slot, index, encoded = self._current()
+            if origin is None:
+                origin = (slot, index, self.offset, self.cursor.current_epoch())
+            take = encoded.ids[self.offset : self.offset + need - len(ids)]
+            positions.extend(range(len(take)))
+            ids.extend(take)
+            tokens[slot] += len(take)
+            self.offset += len(take)
+            if self.offset >= len(encoded.ids):
+                self.cursor.advance()
+                self.offset = 0
+        window = np.asarray(ids, dtype=np.int64)
+        return Sequence(window[:-1], window[1:].copy(), np.asarray(positions[:-1], dtype=np.int64), origin, tokens)
+
+    def _next_example_pack(self) -> Sequence:
+        ids: list[int] = []
+        labels: list[int] = []
+        positions: list[int] = []
+        tokens: Counter = Counter()
+        origin = None
+        while True:
+            slot, index, encoded = self._current()
+            length = len(encoded.ids) - 1
+            if length > self.seq_len:
+                self._too_long(slot, index, length)
+                continue
+            if len(ids) + length > self.seq_len:
+                break
+            if origin is None:
+                origin = (slot, index, 0, self.cursor.current_epoch())
+            mask = encoded.loss_mask or [True] * len(encoded.ids)
+            ids.extend(encoded.ids[:-1])
+            labels.extend(t if m else IGNORE_INDEX for t, m in zip(encoded.ids[1:], mask[1:]))
+            positions.extend(range(length))
+            tokens[slot] += length
+            self.cursor.advance()
+        pad = self.seq_len - len(ids)
+        ids.extend([self.pad_id] * pad)
+        labels.extend([IGNORE_INDEX] * pad)
+        positions.extend(range(pad))
+        as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
+        return Sequence(as_array(ids), as_array(labels), as_array(positions), origin, tokens)
+
+    def _too_long(self, slot: int, index: int, length: int) -> None:
+        if self.on_bad_data == "error":
+            raise DataError(
+                f"data source {self.labels[slot]!r} document {index}: {length + 1} tokens do not fit data.seq_len = "
+                f"{self.seq_len}; raise data.seq_len, or set data.on_bad_data: skip"
+            )
+        self.skipped["longer than seq_len"] += 1
+        self.cursor.advance()

@@ -1,0 +1,172 @@
+"""What a data config means: opened sources, train/eval document ranges, encoders, and the streams over them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clustertrain.config.schema import DataConfig, SourceConfig
+from clustertrain.data.mixture import choose
+from clustertrain.data.pack import Cursor, DocumentOrder, Encoded, Packer, Sequence
+from clustertrain.data.sources import Document, open_source, text_of
+from clustertrain.data.tokens import TokenSource, is_token_source
+from clustertrain.errors import DataError
+
+
+class Stream:
+    """One logical stream: a packer per lane, and a weighted choice of lane per sequence (mix_by: tokens)."""
+
+    def __init__(self, packers: list[Packer], weights: tuple[float, ...], key: tuple[int, ...]):
+        self.packers, self.weights, self.key = packers, weights, key
+        self.count = 0
+
+    def next(self) -> Sequence:
+        lane = choose(self.weights, *self.key, self.count)
+        self.count += 1
+        return self.packers[lane].next()
+
+    def take_skipped(self) -> Counter:
+        skipped = Counter()
+        for packer in self.packers:
+            skipped.update(packer.skipped)
+            packer.skipped.clear()
+        return skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count, "lanes": [p.state_dict() for p in self.packers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+        for packer, lane in zip(self.packers, state["lanes"]):
+            packer.load_state_dict(lane)
+
+
+class RandomStream:
+    """Uniform random token ids (data.mode: random), for checking a cluster before real data is ready."""
+
+    def __init__(self, vocab_size: int, seq_len: int, key: tuple[int, ...]):
+        self.vocab_size, self.seq_len, self.key = vocab_size, seq_len, key
+        self.count = 0
+
+    def next(self) -> Sequence:
+        ids = np.random.default_rng([*self.key, self.count]).integers(0, self.vocab_size, self.seq_len + 1)
+        origin = (0, self.count, 0, 0)
+        self.count += 1
+        return Sequence(ids[:-1], ids[1:], np.arange(self.seq_len), origin, Counter({0: self.seq_len}))
+
+    def take_skipped(self) -> Counter:
+        return Counter()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = state["count"]
+
+
+class DataPlan:
+    """Sources opened once per process; `stream(s, split)` builds stream s of `num_streams` from them."""
+
+    def __init__(self, data: DataConfig, tokenizer, num_streams: int, seed: int, cache_dir: Path):
+        self.data, self.tokenizer, self.num_streams, self.seed = data, tokenizer, num_streams, seed
+        self.labels = [s.label for s in data.sources] if data.mode != "random" else ["random"]
+        self.weights = tuple(s.weight for s in data.sources)
+        self.sources = [] if data.mode == "random" else [self._open(s, cache_dir) for s in data.sources]
+        self.ranges = [self._split(len(src)) for src in self.sources]
+
+    def _open(self, source: SourceConfig, cache_dir: Path):
+        if is_token_source(source):
+            vocab = len(self.tokenizer) if self.tokenizer is not None else self.data.vocab_size
+            return TokenSource(source, self.data.seq_len, vocab_size=vocab)
+        return open_source(source, on_bad_data=self.data.on_bad_data, cache_dir=cache_dir)
+
+    def _split(self, n: int) -> dict[str, tuple[int, int]]:
+        held_out = round(n * self.data.eval_fraction) if n > 1 else 0
+        if self.data.eval_fraction > 0 and n > 1:
+            held_out = max(1, held_out)
+        return {"train": (0, n - held_out), "eval": (n - held_out, n)}
+
+    def fingerprint(self) -> str:
+        """What the data position depends on: resuming over other data is refused."""
+        d = self.data
+        spec = [[s.model_dump() for s in d.sources], d.mode, d.mix_by, d.seq_len, d.shuffle_buffer, self.seed,
+                [len(s) for s in self.sources]]
+        return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def has_eval(self) -> bool:
+        return self.data.mode == "random" or all(hi > lo for lo, hi in (r["eval"] for r in self.ranges))
+
+    def stream(self, s: int, split: str, state: dict[str, Any] | None = None):
+        """Stream `s` over the `split` ("train" or "eval") slice of every source, at `state` if given."""
+        key = (self.seed, s, 0 if split == "train" else 1)
+        if self.data.mode == "random":
+            stream = RandomStream(len(self.tokenizer) if self.tokenizer else self.data.vocab_size, self.data.seq_len, key)
+        else:
+            buffer = self.data.shuffle_buffer if split == "train" else 1
+            orders = [self._order(i, s, split, buffer, key) for i in range(len(self.sources))]
+            sft = self.data.mode == "sft"
+            make = lambda os, ws: Packer(  # noqa: E731
+                Cursor(os, ws, (*key, 7)), self.data.seq_len, self._pad_id(), sft, self.data.on_bad_data, self.labels
+            )
+            if self.data.mix_by == "rows" or len(orders) == 1:
+                stream = Stream([make(orders, self.weights)], (1.0,), key)
+            else:  # each lane's cursor sees only its own source: weight 1 at its slot, 0 elsewhere
+                one_hot = [tuple(float(i == j) for j in range(len(orders))) for i in range(len(orders))]
+                stream = Stream([make(orders, w) for w in one_hot], self.weights, key)
+        if state is not None:
+            stream.load_state_dict(state)
+        return stream
+
+    def _order(self, i: int, s: int, split: str, buffer: int, key: tuple[int, ...]) -> DocumentOrder:
+        lo, hi = self.ranges[i][split]
+        n, k = hi - lo, self.num_streams
+        if n >= k:  # disjoint contiguous slices, one per stream
+            lo, hi, rotate = lo + s * n // k, lo + (s + 1) * n // k, 0
+        else:  # too few documents to slice: every stream walks them all, from its own starting point
+            rotate = s % max(n, 1)
+        return DocumentOrder(self.sources[i], lo, hi, rotate, buffer, (*key, i), self._encoder(i))
+
+    def _pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+    def _encoder(self, i: int):
+        source, tokenizer, data = self.data.sources[i], self.tokenizer, self.data
+        if isinstance(self.sources[i], TokenSource):
+            return lambda docs: [Encoded(list(d.record["ids"])) for d in docs]
+        if data.mode == "sft":
+            from clustertrain.data.sft import render_example
+
+            def encode_sft(docs: list[Document]) -> list[Encoded | None]:
+                def one(d: Document) -> Encoded:
+                    ex = render_example(d.record, tokenizer, field=source.field, location=d.location)
+                    return Encoded(ex.input_ids, ex.loss_mask)
+
+                return [self._guard(one, d) for d in docs]
+
+            return encode_sft
+
+        eos = tokenizer.eos_token_id
+        field = "text" if self.sources[i].format in ("text", "stdlib") else source.field
+
+        def encode_text(docs: list[Document]) -> list[Encoded | None]:
+            texts = [self._guard(lambda d: text_of(d, field), d) for d in docs]
+            good = [t for t in texts if t is not None]
+            ids = iter(tokenizer(good, add_special_tokens=False)["input_ids"] if good else [])
+            return [None if t is None else Encoded([*next(ids), eos]) for t in texts]
+
+        return encode_text
+
+    def _guard(self, fn, doc: Document):
+        """fn(doc), or None for a bad record when data.on_bad_data is skip (the packer counts it)."""
+        try:
+            return fn(doc)
+        except DataError:
+            if self.data.on_bad_data == "error":
+                raise
+            return None

@@ -1,0 +1,465 @@
+"""Format readers behind `clustertrain.data.sources.open_source`.
+
+Each reader is one shard: it knows its record count without reading the records and reads any range
+`[start, stop)` of them in order, yielding `(index in the shard, record, location)`. Line-based files
+(jsonl, text blocks) get a sparse index, cached by path, size and mtime; Parquet and Arrow files carry
+their row counts in their own metadata; `datasets` directories are memory-mapped and addressed by row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+from bisect import bisect_right
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from clustertrain.errors import DataError
+
+INDEX_EVERY = 1024  # a line index notes every 1024th record: a seek costs at most 1023 record skips
+BATCH_ROWS = 1024
+BOM = b"\xef\xbb\xbf"
+
+Row = tuple[int, dict, str]  # index in the shard, record, location for messages
+
+
+class BadData:
+    """The `on_bad_data` policy: raise a DataError, or count the reason and go on."""
+
+    def __init__(self, on_bad_data: str) -> None:
+        if on_bad_data not in ("error", "skip"):
+            raise ValueError(f"on_bad_data must be 'error' or 'skip', not {on_bad_data!r}")
+        self.skip = on_bad_data == "skip"
+        self.skipped: Counter[str] = Counter()
+
+    def report(self, reason: str, message: str) -> None:
+        """Raise `message` as a DataError, or count `reason` when skipping."""
+        if not self.skip:
+            raise DataError(message)
+        self.skipped[reason] += 1
+
+
+class Shard(Protocol):
+    count: int
+
+    def read(self, start: int, stop: int) -> Iterator[Row]: ...
+
+
+def open_files(fmt: str, files: list[Path], *, text_unit: str, cache_dir: Path, bad: BadData) -> list[Shard]:
+    """One shard per file (all of `text` in file mode share one), without the empty ones."""
+    if fmt == "text" and text_unit == "file":
+        kept = [(path, -1) for path in files if not _empty_on_disk(path, bad)]
+        return [TextFiles(kept, bad)] if kept else []
+    shards: list[Shard] = []
+    for path in files:
+        if _empty_on_disk(path, bad):
+            continue
+        if fmt in ("jsonl", "text"):
+            shard: Shard | None = LineRecords(path, blocks=fmt == "text", cache_dir=cache_dir, bad=bad)
+        elif fmt == "json":
+            shard = JsonFile.open(path, bad)
+        elif fmt == "parquet":
+            shard = ParquetFile.open(path, bad)
+        elif fmt == "arrow":
+            shard = ArrowFile.open(path, bad)
+        else:
+            raise ValueError(f"no file reader for format {fmt!r}")
+        if shard is not None and shard.count == 0:
+            bad.report("empty file", f"{path}: empty file")
+        elif shard is not None:
+            shards.append(shard)
+    return shards
+
+
+def _empty_on_disk(path: Path, bad: BadData) -> bool:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    if size == 0:
+        bad.report("empty file", f"{path}: empty file")
+    return size == 0
+
+
+def decode(raw: bytes, offset: int, location: str, bad: BadData) -> str | None:
+    """UTF-8 text of `raw` (found at byte `offset` of its file), or None after reporting it."""
+    if offset == 0 and raw.startswith(BOM):
+        raw, offset = raw[len(BOM):], len(BOM)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad.report("not UTF-8", f"{location}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {offset + e.start})")
+        return None
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def parse_object(text: str, location: str, bad: BadData) -> dict | None:
+    """The JSON object in `text`, or None after reporting why there is none."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        bad.report("malformed JSON", f"{location}: malformed JSON ({e.msg} at column {e.colno})")
+        return None
+    if not isinstance(value, dict):
+        bad.report("not a JSON object", f"{location}: not a JSON object (got {json_type(value)})")
+        return None
+    return value
+
+
+# Line-based files: jsonl (a record per non-blank line) and text blocks (a record per run of non-blank lines).
+
+
+def scan_records(path: Path, blocks: bool) -> tuple[int, np.ndarray]:
+    """Count the records of a line-based file; note (byte offset, line number) of every INDEX_EVERY-th."""
+    marks: list[tuple[int, int]] = []
+    count = offset = 0
+    previous_blank = True
+    with open(path, "rb") as f:
+        for line_no, line in enumerate(f, 1):
+            blank = not line.strip()
+            if not blank and (previous_blank or not blocks):
+                if count % INDEX_EVERY == 0:
+                    marks.append((offset, line_no))
+                count += 1
+            previous_blank = blank
+            offset += len(line)
+    return count, np.array(marks, dtype=np.int64).reshape(-1, 2)
+
+
+def load_index(path: Path, blocks: bool, cache_dir: Path) -> tuple[int, np.ndarray]:
+    """`scan_records` of `path`, from cache_dir/index/ when this path, size and mtime were scanned before."""
+    stat = path.stat()
+    kind = "blocks" if blocks else "lines"
+    key = f"{kind}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{INDEX_EVERY}"
+    file = cache_dir / "index" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
+    try:
+        with np.load(file) as saved:
+            return int(saved["count"]), saved["marks"]
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile):
+        pass
+    count, marks = scan_records(path, blocks)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=file.parent, prefix=file.name, delete=False) as f:
+            np.savez(f, count=count, marks=marks)
+        os.replace(f.name, file)  # atomic: ranks scanning the same file at once never see half an index
+    except OSError:
+        pass  # a read-only cache only costs a rescan next time
+    return count, marks
+
+
+def _records(f, offset: int, line_no: int, blocks: bool) -> Iterator[tuple[int, int, bytes]]:
+    """(first line number, byte offset, bytes) of each record from the current position, a record start."""
+    block: list[bytes] = []
+    first_line = first_offset = 0
+    for line in f:
+        if line.strip():
+            if not blocks:
+                yield line_no, offset, line
+            elif not block:
+                block, first_line, first_offset = [line], line_no, offset
+            else:
+                block.append(line)
+        elif block:
+            yield first_line, first_offset, b"".join(block)
+            block = []
+        offset += len(line)
+        line_no += 1
+    if block:
+        yield first_line, first_offset, b"".join(block)
+
+
+class LineRecords:
+    """A jsonl file or a text file of blank-line-separated blocks, read through its sparse index."""
+
+    def __init__(self, path: Path, *, blocks: bool, cache_dir: Path, bad: BadData) -> None:
+        self.path, self.blocks, self.bad = path, blocks, bad
+        self.count, self.marks = load_index(path, blocks, cache_dir)
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        offset, line_no = (int(x) for x in self.marks[start // INDEX_EVERY])
+        index = start - start % INDEX_EVERY
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            for first_line, first_offset, raw in _records(f, offset, line_no, self.blocks):
+                if index >= stop:
+                    return
+                if index >= start:
+                    location = f"{self.path}:{first_line}"
+                    record = self._parse(raw, first_offset, location)
+                    if record is not None:
+                        yield index, record, location
+                index += 1
+
+    def _parse(self, raw: bytes, offset: int, location: str) -> dict | None:
+        text = decode(raw, offset, location, self.bad)
+        if text is None:
+            return None
+        if self.blocks:
+            return {"text": text.rstrip("\r\n")}
+        return parse_object(text, location, self.bad)
+
+
+class TextFiles:
+    """Whole files as documents: .txt in file mode, or the stdlib corpus (`lenient`: a byte budget, no checks)."""
+
+    def __init__(self, files: list[tuple[Path, int]], bad: BadData, lenient: bool = False) -> None:
+        self.files, self.bad, self.lenient = files, bad, lenient  # (path, bytes to read or -1 for all)
+        self.count = len(files)
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        for index in range(start, min(stop, self.count)):
+            path, limit = self.files[index]
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read(limit)
+            except OSError as e:
+                raise DataError(f"cannot read {path}: {e.strerror}") from None
+            if self.lenient:
+                text: str | None = raw.decode("utf-8", errors="replace")
+                if not text.strip():
+                    continue
+            else:
+                text = decode(raw, 0, str(path), self.bad)
+                if text is not None and not text.strip():
+                    self.bad.report("empty file", f"{path}: empty file")
+                    continue
+            if text is not None:
+                yield index, {"text": text}, str(path)
+
+
+class JsonFile:
+    """A .json file holding a list of records, or an object whose one value is that list.
+
+    It is parsed whole, at open to count and again at each read: .json files are small by nature (use
+    jsonl for large data).
+    """
+
+    def __init__(self, path: Path, count: int, bad: BadData) -> None:
+        self.path, self.count, self.bad = path, count, bad
+
+    @classmethod
+    def open(cls, path: Path, bad: BadData) -> JsonFile | None:
+        records = _load_json(path, bad)
+        return None if records is None else cls(path, len(records), bad)
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        records = _load_json(self.path, self.bad) or []
+        for index in range(start, min(stop, len(records))):
+            location = f"{self.path} record {index}"
+            if isinstance(records[index], dict):
+                yield index, records[index], location
+            else:
+                self.bad.report("not a JSON object", f"{location}: not a JSON object (got {json_type(records[index])})")
+
+
+def _load_json(path: Path, bad: BadData) -> list | None:
+    """The records of a .json file, or None after reporting why it holds none."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    text = decode(raw, 0, str(path), bad)
+    if text is None or not text.strip():
+        return None if text is None else []
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        bad.report("malformed JSON", f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})")
+        return None
+    if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), list):
+        value = next(iter(value.values()))
+    if not isinstance(value, list):
+        bad.report("not a list of records", f"{path}: expected a list of records, or an object holding one")
+        return None
+    return value
+
+
+def _arrow():
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError("reading Parquet and Arrow files needs pyarrow: pip install pyarrow") from None
+    return pyarrow
+
+
+def _unreadable(path: Path, kind: str, error: Exception, bad: BadData) -> None:
+    bad.report("unreadable file", f"{path}: not a readable {kind} file ({_first_line(error)})")
+
+
+class ParquetFile:
+    """A Parquet file: the row count and row-group sizes come from its footer; reads go group by group."""
+
+    def __init__(self, path: Path, group_rows: list[int]) -> None:
+        self.path = path
+        self.group_starts = list(accumulate(group_rows, initial=0))
+        self.count = self.group_starts[-1]
+
+    @classmethod
+    def open(cls, path: Path, bad: BadData) -> ParquetFile | None:
+        pa = _arrow()
+        try:
+            with pa.parquet.ParquetFile(path, memory_map=True) as f:
+                meta = f.metadata
+                return cls(path, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
+        except (pa.ArrowException, OSError) as e:
+            _unreadable(path, "Parquet", e, bad)
+            return None
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        pa = _arrow()
+        first = bisect_right(self.group_starts, start) - 1
+        groups = [g for g in range(first, len(self.group_starts) - 1) if self.group_starts[g] < stop]
+        index = self.group_starts[first]
+        with pa.parquet.ParquetFile(self.path, memory_map=True) as f:
+            for batch in f.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
+                yield from _batch_rows(batch, index, start, stop, f"{self.path} row")
+                index += batch.num_rows
+                if index >= stop:
+                    return
+
+
+def _batch_rows(batch, index: int, start: int, stop: int, where: str) -> Iterator[Row]:
+    """The rows of an Arrow batch that begins at row `index` and fall in [start, stop)."""
+    lo, hi = max(start - index, 0), min(stop - index, batch.num_rows)
+    if lo < hi:
+        for row, record in enumerate(batch.slice(lo, hi - lo).to_pylist(), index + lo):
+            yield row, record, f"{where} {row}"
+
+
+class ArrowFile:
+    """An Arrow IPC file, in the stream format `datasets` writes or the file format; memory-mapped."""
+
+    def __init__(self, path: Path, count: int) -> None:
+        self.path, self.count = path, count
+
+    @classmethod
+    def open(cls, path: Path, bad: BadData) -> ArrowFile | None:
+        pa = _arrow()
+        try:
+            with _ipc_table(pa, path) as table:
+                return cls(path, table.num_rows)
+        except (pa.ArrowException, OSError) as e:
+            _unreadable(path, "Arrow", e, bad)
+            return None
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        with _ipc_table(_arrow(), self.path) as table:
+            index = start
+            for batch in table.slice(start, stop - start).to_batches(max_chunksize=BATCH_ROWS):
+                yield from _batch_rows(batch, index, start, stop, f"{self.path} row")
+                index += batch.num_rows
+
+
+@contextmanager
+def _ipc_table(pa, path: Path):
+    # Reading all batches of a memory map only parses their headers; the table's buffers stay on disk.
+    with pa.memory_map(str(path)) as source:
+        is_file_format = source.read(6) == b"ARROW1"
+        source.seek(0)
+        reader = pa.ipc.open_file(source) if is_file_format else pa.ipc.open_stream(source)
+        yield reader.read_all()
+
+
+# Hugging Face `datasets`: save_to_disk directories and the local HF cache.
+
+
+def _datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("hf and hf_disk sources need the datasets package: pip install datasets") from None
+    return datasets
+
+
+class DatasetRows:
+    """A memory-mapped `datasets.Dataset`, read by row slices."""
+
+    def __init__(self, dataset, where: str) -> None:
+        self.dataset, self.where = dataset.with_format("arrow"), where
+        self.count = len(dataset)
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        for lo in range(start, min(stop, self.count), BATCH_ROWS):
+            table = self.dataset[lo:min(lo + BATCH_ROWS, stop, self.count)]
+            for row, record in enumerate(table.to_pylist(), lo):
+                yield row, record, f"{self.where} {row}"
+
+
+def open_hf_disk(path: Path, split: str) -> DatasetRows:
+    """A directory written by `Dataset.save_to_disk`, or one split of a saved `DatasetDict`."""
+    datasets = _datasets()
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise DataError(f"{path}: not a directory written by datasets' save_to_disk ({_first_line(e)})") from None
+    if isinstance(dataset, datasets.DatasetDict):
+        if split not in dataset:
+            raise DataError(f"{path}: no split '{split}' (splits: {', '.join(dataset)})")
+        dataset = dataset[split]
+    return DatasetRows(dataset, f"{path} row")
+
+
+@contextmanager
+def _offline():
+    # datasets and huggingface_hub read HF_HUB_OFFLINE once at import, so the switch is their module constant.
+    import datasets.config
+    import huggingface_hub.constants as hub
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
+
+
+def open_hf(name: str, config: str | None, split: str) -> DatasetRows:
+    """A dataset from the local HF caches only, never the network.
+
+    Either `datasets` prepared it before (load_dataset on a machine with network), or its hub snapshot
+    was downloaded (`hf download --repo-type dataset NAME`), which is converted once into the datasets cache.
+    """
+    datasets = _datasets()
+    from huggingface_hub import constants, snapshot_download
+
+    where = f"{name}[{split}] row"
+    with _offline():
+        try:
+            return DatasetRows(datasets.load_dataset(name, config, split=split), where)
+        except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the snapshot is the second chance
+            first = e
+        try:
+            snapshot = snapshot_download(name, repo_type="dataset", local_files_only=True)
+        except Exception:  # noqa: BLE001 - any failure here means: not downloaded
+            if isinstance(first, (ConnectionError, FileNotFoundError)):
+                caches = f"{datasets.config.HF_DATASETS_CACHE}, {constants.HF_HUB_CACHE}"
+                raise DataError(
+                    f"hf dataset '{name}' is not in the local Hugging Face caches ({caches}); fetch it on a machine "
+                    f"with network and the same HF_HOME: hf download --repo-type dataset {name}"
+                ) from None
+            raise DataError(f"hf dataset '{name}': {_first_line(first)}") from None
+        try:
+            return DatasetRows(datasets.load_dataset(snapshot, config, split=split), where)
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"hf dataset '{name}' (snapshot {snapshot}): {_first_line(e)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
