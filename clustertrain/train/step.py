@@ -32,7 +32,7 @@ def token_loss_sum(
     `position_ids` that restart inside a row mark packed documents; transformers then masks attention
     across them.
     """
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
