@@ -54,3 +54,25 @@ def test_console_script_and_python_dash_m_agree():
     module = run_cli("config", "show")
     assert console.returncode == module.returncode == 0
     assert console.stdout == module.stdout
+
+
+def test_tokenizer_train_writes_a_loadable_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    (tmp_path / "docs").mkdir()
+    for i in range(20):
+        (tmp_path / "docs" / f"{i}.txt").write_text(f"document {i} about rivers and mountains " * 20)
+    out = tmp_path / "tok"
+    result = run_cli("tokenizer", "train", str(out), "--set", f"data.sources=[{{path: {tmp_path / 'docs'}}}]",
+                     "--set", "data.vocab_size=300")
+    assert result.returncode == 0, result.stderr
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.decode(tokenizer("rivers and mountains").input_ids) == "rivers and mountains"
+    again = run_cli("tokenizer", "train", str(out))
+    assert again.returncode == 2 and "is not empty" in again.stderr
+
+
+def test_data_audit_without_samples_is_a_user_error(tmp_path):
+    result = run_cli("data", "audit", str(tmp_path))
+    assert result.returncode == 2
+    assert "samples.jsonl not found: train with data.audit: true" in result.stderr
