@@ -23,6 +23,7 @@ TINY = [
     "optim.warmup_steps=2",
     "metrics.log_every=1",
     "metrics.progress=lines",
+    "data.num_workers=0",  # worker processes are tested in tests/unit/data; here they would only cost time
 ]
 
 

@@ -1,20 +1,24 @@
 """Sharded checkpoints with torch.distributed.checkpoint, made visible only once complete.
 
-Every rank writes its shards into `checkpoints/.tmp-step-NNNNNNN/`; after a barrier rank 0 adds the
-train state and the resolved config, then renames the folder to `step-NNNNNNN/`. A folder with the
-final name is therefore always complete; a leftover `.tmp-*` is an interrupted save and is removed.
+Every rank writes its shards and RNG state into `checkpoints/.tmp-step-NNNNNNN/` (`write_shards`); once
+all have finished, rank 0 adds the train state, the resolved config and the tokenizer and renames the
+folder to `step-NNNNNNN/` (`commit`). A folder with the final name is therefore always complete; a
+leftover `.tmp-*` is an interrupted save and is removed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -45,28 +49,37 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_checkpoint(
-    root: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: Optimizer,
-    train_state: dict[str, Any],
-    write_extras: Callable[[Path], None],
-) -> Path:
-    """Save model and optimizer shards plus the train state; every rank must call this.
+_ASYNC_GROUP = None
 
-    `write_extras(folder)` runs on rank 0 before the folder becomes visible (config, tokenizer).
+
+def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, async_save: bool = False):
+    """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
+
+    Returns the Future of an async save (the writes go on in the background), or None when done.
     """
-    rank0 = dist.get_rank() == 0
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}"
-    if rank0:
+    tmp = root / f".tmp-{step_dir_name(step)}"
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    _write_json(tmp / f"rng-{dist.get_rank()}.json", rng_state())
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-    if rank0:
+    state = {"model": model_state, "optim": optim_state}
+    if not async_save:
+        dcp.save(state, checkpoint_id=tmp)
+        return None
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is None:  # background writes need collectives of their own, off the training group
+        _ASYNC_GROUP = dist.new_group(backend="gloo")
+    return dcp.async_save(state, checkpoint_id=tmp, process_group=_ASYNC_GROUP)
+
+
+def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Callable[[Path], None]) -> Path:
+    """Make a fully written checkpoint visible: rank 0 adds the train state and renames it; all ranks call."""
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{final.name}"
+    dist.barrier()  # every rank's shards are on disk
+    if dist.get_rank() == 0:
         write_extras(tmp)
         _write_json(tmp / TRAIN_STATE, train_state)
         if final.exists():
@@ -76,16 +89,64 @@ def save_checkpoint(
     return final
 
 
+def prune(root: Path, keep_last: int | None, keep_every: int | None, final_step: int) -> list[Path]:
+    """Delete complete checkpoints outside the last `keep_last`, the multiples of `keep_every` and the final one."""
+    found = list_checkpoints(root)
+    keep = set(found[-keep_last:] if keep_last else found)
+    keep |= {p for p in found if _step(p) == final_step or (keep_every and _step(p) % keep_every == 0)}
+    removed = [p for p in found if p not in keep]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, numpy and torch RNG states of this rank, as JSON."""
+    np_state = np.random.get_state()
+    return {
+        "python": _to_lists(random.getstate()),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state().tolist(),
+        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what rng_state() saved."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, *rest = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _to_lists(value: Any) -> Any:
+    return [_to_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
+
+
+def _step(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
+
+
 def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
     """Load a checkpoint into this run's (possibly differently sharded) model and optimizer."""
     if not (path / TRAIN_STATE).exists():
         raise CheckpointError(f"{path} is not a complete clustertrain checkpoint (no {TRAIN_STATE})")
-    model_state, optim_state = get_state_dict(model, optimizer) if optimizer else (get_state_dict(model, [])[0], None)
-    state = {"model": model_state}
-    if optimizer is not None:
-        state["optim"] = optim_state
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer or [], model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+    has_optim = any(k.startswith("optim") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    if optimizer is None or not has_optim:  # an imported HF model: weights only, fresh optimizer
+        model_state = get_state_dict(model, [])[0]
+        dcp.load({"model": model_state}, checkpoint_id=path)
+        set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={})
+    else:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng = path / f"rng-{dist.get_rank() if dist.is_initialized() else 0}.json"
+    if rng.exists():  # a rank that did not exist in the saving run keeps its seeded state
+        set_rng_state(json.loads(rng.read_text()))
     return json.loads((path / TRAIN_STATE).read_text())
 
 

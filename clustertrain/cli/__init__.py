@@ -7,6 +7,8 @@
     clustertrain config show configs/tiny-llama.yaml
     clustertrain tokenizer train configs/tiny-llama.yaml tokenizers/code-4k
     clustertrain data audit runs/tiny-llama
+    clustertrain export runs/tiny-llama exports/tiny-llama      # HF safetensors directory
+    clustertrain import path/to/hf-model checkpoints/start      # a checkpoint to start from (--resume PATH)
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from clustertrain.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import config_cmd, data_cmd, tokenizer_cmd, train_cmd
+    from clustertrain.cli import config_cmd, data_cmd, export_cmd, tokenizer_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd):
+    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd):
         module.add_parser(commands)
     return parser
 

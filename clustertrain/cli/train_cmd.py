@@ -30,10 +30,16 @@ def run(args: argparse.Namespace) -> int:
         argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []))
 
+    from clustertrain.checkpoint.manager import Preempted
     from clustertrain.cli import is_rank0
     from clustertrain.train.trainer import Trainer
 
-    summary = Trainer(config).run()
+    try:
+        summary = Trainer(config).run()
+    except Preempted as stop:
+        if is_rank0():
+            print(str(stop), file=sys.stderr, flush=True)
+        return stop.exit_code
     if is_rank0():
         print_summary(summary)
     return 0

@@ -154,4 +154,4 @@ def _check_model_fields(config: RunConfig) -> list[str]:
 
 def dump_config(config: RunConfig) -> str:
     """The resolved config as YAML, in schema order."""
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(config.model_dump(mode="json", by_alias=True), sort_keys=False)

@@ -148,13 +148,37 @@ class TrainConfig(Section):
     stop_after_steps: int | None = Field(
         None, gt=0, description="End this run after this many steps (with a checkpoint); the schedule is unchanged."
     )
+    walltime: str | float | None = Field(
+        None, description="This job's time limit (seconds or HH:MM:SS, as Slurm's --time): save and exit for requeue "
+        "walltime_margin before it."
+    )
+    walltime_margin: float = Field(300, ge=0, description="Seconds before train.walltime to save and stop.")
+
+    @model_validator(mode="after")
+    def _walltime_parses(self) -> TrainConfig:
+        try:
+            parse_duration(self.walltime)
+        except ValueError:
+            raise ValueError(f"walltime {self.walltime!r} is not seconds or [D-]HH:MM:SS") from None
+        return self
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
     eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
     sample_tokens: int = Field(40, ge=0, description="Tokens of the sample generated at the end; 0 disables.")
 
 
 class CheckpointConfig(Section):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
     every: int = Field(100, ge=0, description="Save every N steps (0: only at the end).")
+    keep_last: int | None = Field(3, gt=0, description="Keep the newest K checkpoints (empty: keep all).")
+    keep_every: int | None = Field(None, gt=0, description="Also keep every checkpoint whose step is a multiple of M.")
+    async_save: bool = Field(
+        False, alias="async", description="Write checkpoints in the background while training goes on (key: async)."
+    )
+    on_error: Literal["warn", "stop"] = Field(
+        "warn", description="A failed write (disk full, permissions): warn and train on, or stop. The previous "
+        "checkpoint is kept either way."
+    )
 
 
 class MetricsConfig(Section):
@@ -168,6 +192,19 @@ class MetricsConfig(Section):
     )
 
 
+def parse_duration(value: str | float | None) -> float | None:
+    """Seconds from a number, or from Slurm's D-HH:MM:SS / HH:MM:SS / MM:SS forms."""
+    if value is None or isinstance(value, (int, float)):
+        return value
+    days, _, clock = value.rpartition("-")
+    seconds = 0.0
+    for part in clock.split(":"):
+        seconds = seconds * 60 + float(part)
+    if clock.count(":") == 1 and days:  # D-HH:MM
+        seconds *= 60
+    return seconds + (int(days) * 86400 if days else 0)
+
+
 class RunConfig(Section):
     name: str = Field("default", description="Run name; the config file's stem unless set.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -177,6 +214,11 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+
+    @property
+    def walltime_s(self) -> float | None:
+        """train.walltime in seconds."""
+        return parse_duration(self.train.walltime)
 
     @property
     def run_dir(self) -> Path:

@@ -58,7 +58,7 @@ def _wait(procs: list[subprocess.Popen]) -> int:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
-            return failed[0]
+            return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by signal N: 128 + N, as shells say
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.1)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.checkpoint.manager import CheckpointManager, Preempted, StopRequests
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
 from clustertrain.data.audit import AuditLog
@@ -117,7 +118,8 @@ class Trainer:
             raise CheckpointError(f"train.resume: checkpoint {path} does not exist")
         state = ckpt.load_checkpoint(path, self.model, self.optimizer)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
-        self.loader.load_state_dict(state["data"])
+        if "data" in state:  # an imported model starts the data from the beginning
+            self.loader.load_state_dict(state["data"])
         return path
 
     def _loader(self, split: str) -> StreamLoader:
@@ -142,6 +144,9 @@ class Trainer:
             self.run_dir, total_steps=self.total_steps, start_step=self.step, enabled=self.rank0,
             tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress,
         )
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.total_steps,
+                                             self.logger.info)
+        self.stop = StopRequests(cfg.walltime_s, cfg.train.walltime_margin)
         self._announce(resumed)
         if self.rank0:  # the run's own copy, for `clustertrain data audit` and for people
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -168,10 +173,17 @@ class Trainer:
             self.tokens_seen += self.tokens_per_step
             if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
                 self._log(result)
+                self._commit(self.checkpoints.finalize())  # an async save has had time to finish
             if self._eval_due():
                 self.summary.eval_loss = self._evaluate()
-            if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == self.stop_step:
-                self.save()
+            if self.checkpoints.due(self.step) or self.step == self.stop_step:
+                self.save(wait=self.step == self.stop_step)
+            reason = self.stop.agreed()
+            if reason:
+                if self.saved_step != self.step:
+                    self.save(wait=True)
+                self._commit(self.checkpoints.finalize())
+                raise Preempted(reason, self.step, self.summary.checkpoint)
 
     def _next_batch(self, loader: StreamLoader) -> dict[str, torch.Tensor]:
         """The next batch on the device; position ids only when packed documents must not see each other."""
@@ -193,7 +205,8 @@ class Trainer:
     def finish(self) -> RunSummary:
         """Save the last step if needed, sample, and report the whole run's curve (across resumes)."""
         if self.saved_step != self.step:
-            self.save()
+            self.save(wait=True)
+        self._commit(self.checkpoints.finalize())
         summary = self.summary
         summary.steps = self.step
         self.logger.close()  # flushes metrics.jsonl
@@ -258,8 +271,8 @@ class Trainer:
         return loss
 
     # ---- checkpoint --------------------------------------------------------------------------
-    def save(self) -> Path:
-        """Write a complete checkpoint of the current step."""
+    def save(self, wait: bool = False) -> Path | None:
+        """Checkpoint the current step (every rank calls); with async saves it commits later unless `wait`."""
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -274,12 +287,17 @@ class Trainer:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(folder / "tokenizer")
 
-        path = ckpt.save_checkpoint(
-            self.run_dir / "checkpoints", self.step, self.model, self.optimizer, state, write_extras
-        )
-        self.summary.checkpoint, self.saved_step = path, self.step
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, state, write_extras, wait=wait)
+        self.saved_step = self.step
+        self._commit(path)
         self._timer.reset(self.step)
         return path
+
+    def _commit(self, path: Path | None) -> None:
+        if path is not None:
+            self.summary.checkpoint = path
+            blocking = self.checkpoints.blocking_s
+            self.logger.log(self.step, {"checkpoint_blocking_s": blocking[-1] if blocking else None})
 
     # ---- sample ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -300,6 +318,8 @@ class Trainer:
         return self.tokenizer.decode(out[0], skip_special_tokens=True)
 
     def close(self) -> None:
+        if getattr(self, "stop", None):
+            self.stop.close()
         if getattr(self, "logger", None):
             self.logger.close()
         close_distributed()

@@ -24,15 +24,23 @@ LAYOUTS = {
 FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith("bf16")]
 
 
+class Runs(dict):
+    """Each layout trained uninterrupted for 10 steps (same global batch and seed), on first use."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp_path_factory = tmp_path_factory
+
+    def __missing__(self, name):
+        run_dir = self.tmp_path_factory.mktemp(name)
+        train(run_dir, *STEPS, *LAYOUTS[name]["overrides"], nproc=LAYOUTS[name]["nproc"])
+        self[name] = run_dir
+        return run_dir
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each layout trained uninterrupted for 10 steps, with the same global batch and seed."""
-    out = {}
-    for name, layout in LAYOUTS.items():
-        run_dir = tmp_path_factory.mktemp(name)
-        train(run_dir, *STEPS, *layout["overrides"], nproc=layout["nproc"])
-        out[name] = run_dir
-    return out
+    return Runs(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", FP32)

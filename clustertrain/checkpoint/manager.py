@@ -1,0 +1,134 @@
+"""When to save, what to keep, and when to stop: retention, async saves, disk errors, preemption.
+
+Slurm warns a job before killing it (SIGUSR1 from `--signal`, SIGTERM on preemption, cancellation and
+time limit). A warning may reach only some ranks, so ranks agree at every step boundary (one tiny
+all-reduce on a CPU group) and all save the same step; the process then exits with REQUEUE_EXIT_CODE.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.optim import Optimizer
+
+from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.config.schema import CheckpointConfig
+from clustertrain.errors import CheckpointError
+
+REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; launchers and `clustertrain slurm` requeue on it
+WRITE_ERRORS = (Exception, CheckpointException)  # DCP's exception derives from BaseException
+
+
+class Preempted(Exception):
+    """Training stopped early on a signal or the walltime, after saving; the launcher should requeue."""
+
+    exit_code = REQUEUE_EXIT_CODE
+
+    def __init__(self, reason: str, step: int, checkpoint: Path | None):
+        super().__init__(f"stopped by {reason} at step {step}"
+                         + (f" after saving {checkpoint}" if checkpoint else "") + f"; exit {REQUEUE_EXIT_CODE} = requeue me")
+        self.checkpoint = checkpoint
+
+
+class StopRequests:
+    """Collects SIGTERM/SIGUSR1 and the walltime deadline; `agreed()` is a collective every rank calls."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self, walltime_s: float | None, margin_s: float):
+        self.reason: str | None = None
+        self.deadline = time.monotonic() + walltime_s - margin_s if walltime_s else None
+        self._group = None
+        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        self.reason = self.reason or signal.Signals(signum).name
+
+    def agreed(self) -> str | None:
+        """The stop reason if any rank has one (every rank gets the same answer), else None."""
+        if self.reason is None and self.deadline is not None and time.monotonic() > self.deadline:
+            self.reason = "walltime"
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.reason
+        if self._group is None:  # gloo keeps this off the GPU stream: no device sync per step
+            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        flag = torch.tensor([0 if self.reason is None else 1 + ("walltime", "SIGTERM", "SIGUSR1").index(self.reason)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        code = int(flag.item())
+        return None if code == 0 else ("walltime", "SIGTERM", "SIGUSR1")[code - 1]
+
+    def close(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+
+class CheckpointManager:
+    """Saves (sync or async, at most one in flight), prunes old checkpoints, survives failed writes."""
+
+    def __init__(self, root: Path, config: CheckpointConfig, final_step: int, log: Callable[[str], None]):
+        self.root, self.config, self.final_step, self.log = root, config, final_step, log
+        self.rank0 = dist.get_rank() == 0
+        self._pending: tuple[Future, int, dict[str, Any], Callable[[Path], None], float] | None = None
+        self.last: Path | None = None
+        self.blocking_s: list[float] = []
+
+    def due(self, step: int) -> bool:
+        return bool(self.config.every) and step % self.config.every == 0
+
+    def save(self, step: int, model: nn.Module, optimizer: Optimizer, train_state: dict[str, Any],
+             write_extras: Callable[[Path], None], *, wait: bool = False) -> Path | None:
+        """Save `step`; returns the committed folder (None while an async save is still writing)."""
+        self.finalize()
+        start = time.perf_counter()
+        try:
+            future = ckpt.write_shards(self.root, step, model, optimizer, async_save=self.config.async_save)
+        except WRITE_ERRORS as e:  # any write failure: report, keep the previous checkpoint
+            self._failed(step, e)
+            return None
+        self.blocking_s.append(time.perf_counter() - start)
+        self._pending = (future, step, train_state, write_extras, start)
+        if wait or not self.config.async_save:
+            return self.finalize()
+        return None
+
+    def finalize(self) -> Path | None:
+        """Wait for the save in flight, then make it visible and prune; every rank must call this."""
+        if self._pending is None:
+            return None
+        future, step, train_state, write_extras, start = self._pending
+        self._pending = None
+        try:
+            if future is not None:
+                future.result()
+            path = ckpt.commit(self.root, step, train_state, write_extras)
+        except WRITE_ERRORS as e:
+            self._failed(step, e)
+            return None
+        self.last = path
+        if self.rank0:
+            ckpt.prune(self.root, self.config.keep_last, self.config.keep_every, self.final_step)
+        return path
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        if isinstance(error, CheckpointException) and error.failures:  # the first rank's own error, not DCP's report
+            error = next(iter(error.failures.values()))[0]
+        reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        free_gb = shutil.disk_usage(self.root).free / 1e9 if self.root.exists() else float("nan")
+        kept = ckpt.latest_checkpoint(self.root)
+        message = (f"checkpoint of step {step} failed ({reason}; {free_gb:.1f} GB free under {self.root}); "
+                   + (f"{kept} is intact" if kept else "no earlier checkpoint exists"))
+        if self.rank0:
+            ckpt.remove_incomplete(self.root)
+        if self.config.on_error == "stop":
+            raise CheckpointError(message + "; stopping (checkpoint.on_error: stop)") from None
+        self.log(f"warning: {message}; training goes on (checkpoint.on_error: warn)")

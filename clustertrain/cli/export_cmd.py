@@ -1,0 +1,56 @@
+"""`clustertrain export CHECKPOINT OUTDIR` and `clustertrain import HF_DIR OUTDIR`: checkpoints <-> Hugging Face.
+
+    clustertrain export runs/tiny-llama/checkpoints/step-0000300 exports/tiny-llama
+    clustertrain export runs/tiny-llama exports/tiny-llama --max-shard-size 500MB   # newest checkpoint
+    clustertrain import exports/tiny-llama runs/imported/checkpoints/step-0000000
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("checkpoint", help="a step-NNNNNNN checkpoint folder, or a run directory (its newest one)")
+    export.add_argument("outdir", help="new or empty directory for config.json, safetensors and tokenizer")
+    export.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default 2GB)")
+    export.set_defaults(run=run_export)
+
+    imp = commands.add_parser(
+        "import", help="write a local Hugging Face model directory as a clustertrain checkpoint",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    imp.add_argument("hf_dir", help="local Hugging Face model directory (config.json and weights)")
+    imp.add_argument("outdir", help="new or empty directory for the checkpoint")
+    imp.set_defaults(run=run_import)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from transformers.utils import logging
+
+    from clustertrain.checkpoint.export import export_hf
+
+    logging.disable_progress_bar()
+    out = export_hf(args.checkpoint, args.outdir, max_shard_size=args.max_shard_size)
+    files = len(list(out.glob("*.safetensors")))
+    tokenizer = "tokenizer" if (out / "tokenizer_config.json").exists() else "no tokenizer"
+    print(f"wrote {out} ({files} safetensors file{'s' * (files != 1)}, {tokenizer}); "
+          f'load it with AutoModelForCausalLM.from_pretrained("{out}")')
+    return 0
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from transformers.utils import logging
+
+    from clustertrain.checkpoint.export import import_hf
+
+    logging.disable_progress_bar()
+    out = import_hf(args.hf_dir, args.outdir)
+    tokenizer = "tokenizer" if (out / "tokenizer").is_dir() else "no tokenizer"
+    print(f"wrote checkpoint {out} (weights and config.yaml at step 0, {tokenizer}) from {Path(args.hf_dir)}")
+    return 0

@@ -1,0 +1,213 @@
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from safetensors import safe_open
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from clustertrain.checkpoint import export
+from clustertrain.checkpoint.export import export_hf, import_hf, load_checkpoint_model
+from clustertrain.cli import export_cmd
+from clustertrain.errors import CheckpointError, UserError
+from helpers import train
+
+VOCAB = 512  # TINY's data.vocab_size, so the GPT-2 below can share the trained tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, shared_cache) -> Path:
+    """One real 3-step training checkpoint of the tiny Llama, shared by the module."""
+    run_dir = tmp_path_factory.mktemp("run")
+    train(run_dir, "train.steps=3")
+    return run_dir / "checkpoints" / "step-0000003"
+
+
+@pytest.fixture(scope="module")
+def trained(checkpoint):
+    return load_checkpoint_model(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoint, tmp_path_factory) -> Path:
+    return export_hf(checkpoint, tmp_path_factory.mktemp("export") / "hf")
+
+
+@pytest.fixture
+def tiny_gpt2(tmp_path, checkpoint) -> tuple[Path, torch.nn.Module]:
+    """A tied-embedding GPT-2 saved with save_pretrained, with a tokenizer, as a hub download would look."""
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    hf_dir = tmp_path / "gpt2"
+    model.save_pretrained(hf_dir)
+    AutoTokenizer.from_pretrained(checkpoint / "tokenizer").save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def inputs(vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids).logits
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_load_checkpoint_model_holds_the_saved_weights(checkpoint, trained):
+    weights = trained[0].state_dict()
+    saved = {"model": {key: torch.empty_like(value) for key, value in weights.items()}}
+    dcp.load(saved, checkpoint_id=checkpoint)  # read independently of load_checkpoint_model
+    assert weights.keys() == saved["model"].keys()
+    assert all(torch.equal(weights[key], saved["model"][key]) for key in weights)
+
+
+def test_export_gives_the_checkpoints_logits(trained, exported):
+    model, _, config = trained
+    assert config.model.arch == "llama" and not model.training
+    reloaded = AutoModelForCausalLM.from_pretrained(exported, local_files_only=True)
+    assert torch.equal(logits(reloaded, inputs()), logits(model, inputs()))
+
+
+def test_export_writes_safetensors_config_and_tokenizer_only(trained, exported):
+    names = {p.name for p in exported.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not any(p.suffix in (".bin", ".pt", ".pth", ".distcp") for p in exported.iterdir())
+    assert not list(exported.parent.glob(".tmp-*"))
+    tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    assert tokenizer("def f(x):").input_ids == trained[1]("def f(x):").input_ids
+
+
+def test_sharded_export_writes_an_index_and_loads(checkpoint, trained, tmp_path):
+    out = export_hf(checkpoint, tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((out / name).is_file() for name in shards)
+    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert torch.equal(logits(reloaded, inputs()), logits(trained[0], inputs()))
+
+
+def test_gpt2_import_export_round_trip_keeps_ties_and_logits(tiny_gpt2, tmp_path):
+    hf_dir, original = tiny_gpt2
+    ckpt = import_hf(hf_dir, tmp_path / "ckpt")
+
+    assert json.loads((ckpt / "train_state.json").read_text()) == {
+        "step": 0, "tokens_seen": 0, "imported_from": str(hf_dir.resolve())
+    }
+    saved = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    assert saved and all(key.startswith("model.") for key in saved)  # weights only, no optimizer state
+    assert (ckpt / "tokenizer" / "tokenizer.json").is_file()
+
+    model, tokenizer, config = load_checkpoint_model(ckpt)
+    assert config.model.arch == "gpt2" and tokenizer is not None
+    assert config.model.config["n_embd"] == 32 and "activation_function" not in config.model.config  # a default
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert torch.equal(logits(model, inputs()), logits(original, inputs()))
+
+    out = export_hf(ckpt, tmp_path / "out")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()  # tied: stored once, as HF does
+    reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert reloaded.config.tie_word_embeddings
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight
+    assert torch.equal(logits(reloaded, inputs()), logits(original, inputs()))
+
+
+def test_import_without_tokenizer_pins_a_small_vocab_and_drops_unknown_fields(tmp_path):
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0, note="x"
+    )
+    original = AutoModelForCausalLM.from_config(config).eval()
+    original.save_pretrained(tmp_path / "hf")
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    assert not (ckpt / "tokenizer").exists()
+    model, tokenizer, run_config = load_checkpoint_model(ckpt)  # vocab 256 is below data.vocab_size's floor of 300
+    assert tokenizer is None and "note" not in run_config.model.config  # unknown to GPT-2: dropped
+    assert torch.equal(logits(model, inputs(256)), logits(original, inputs(256)))
+
+
+def test_interrupted_import_leaves_nothing_under_the_final_name(tiny_gpt2, tmp_path, monkeypatch):
+    def fail(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export, "dump_config", fail)
+    with pytest.raises(KeyboardInterrupt):
+        import_hf(tiny_gpt2[0], tmp_path / "ckpt")
+    assert list(tmp_path.iterdir()) == [tiny_gpt2[0]]
+
+
+def test_missing_or_incomplete_checkpoint_is_a_one_line_error(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint_model(tmp_path / "nowhere")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no train_state.json") as error:
+        export_hf(tmp_path / "half", tmp_path / "out")
+    assert "\n" not in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ("num_hidden_layers: 2", "lacks model.layers.2"), ("intermediate_size: 128", "is (128, 64) in the checkpoint"),
+])
+def test_checkpoint_that_does_not_fit_its_config_is_a_one_line_error(checkpoint, tmp_path, change, message):
+    copy = tmp_path / "step-0000003"
+    shutil.copytree(checkpoint, copy)
+    key, value = change.split(": ")
+    config = copy / "config.yaml"
+    config.write_text(config.read_text().replace(change, f"{key}: {int(value) + 1}"))
+    with pytest.raises(CheckpointError, match=re.escape(message)) as error:
+        load_checkpoint_model(copy)
+    assert "\n" not in str(error.value)
+
+
+def test_non_empty_output_directory_is_refused(checkpoint, tiny_gpt2, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="not empty"):
+        export_hf(checkpoint, out)
+    with pytest.raises(CheckpointError, match="not empty"):
+        import_hf(tiny_gpt2[0], out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_import_of_a_folder_without_config_json_is_refused(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        import_hf(tmp_path, tmp_path / "ckpt")
+
+
+def cli(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="clustertrain")
+    export_cmd.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def test_cli_exports_a_run_directorys_newest_checkpoint_and_imports_it(checkpoint, trained, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert cli("export", str(checkpoint.parent.parent), str(out), "--max-shard-size", "200KB") == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and f'AutoModelForCausalLM.from_pretrained("{out}")' in line
+    assert (out / "model.safetensors.index.json").is_file()
+
+    assert cli("import", str(out), str(tmp_path / "ckpt")) == 0
+    line = capsys.readouterr().out.strip()
+    assert "\n" not in line and str(tmp_path / "ckpt") in line
+    model, _, _ = load_checkpoint_model(tmp_path / "ckpt")
+    assert torch.equal(logits(model, inputs()), logits(trained[0], inputs()))
+
+    with pytest.raises(UserError):
+        cli("export", str(tmp_path / "nowhere"), str(tmp_path / "x"))
