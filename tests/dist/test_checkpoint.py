@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import resource
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+import torch
 from helpers import TINY, losses, train
 
 from clustertrain.checkpoint.manager import REQUEUE_EXIT_CODE
@@ -98,3 +100,81 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, policy):
     assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-0000002"]
     train(tmp_path, "train.steps=8", "checkpoint.every=2")  # the kept checkpoint resumes
     assert (tmp_path / "checkpoints" / "step-0000008").is_dir()
+
+
+def final_weights(run_dir, step):
+    from clustertrain.checkpoint.export import load_checkpoint_model
+
+    model, _, _ = load_checkpoint_model(run_dir / "checkpoints" / f"step-{step:07d}")
+    return model.state_dict()
+
+
+def test_sigkill_at_random_moments_still_ends_bit_identical(tmp_path):
+    steps = 16
+    overrides = [f"train.steps={steps}", "checkpoint.every=2", "checkpoint.keep_last=2"]
+    reference = tmp_path / "reference"
+    began = time.monotonic()
+    train(reference, *overrides, nproc=2)
+    duration = time.monotonic() - began
+    chaos, rng = tmp_path / "chaos", random.Random(7)
+    kills, during_save = 0, 0
+    while True:
+        proc = start(chaos, *overrides)
+        if kills < 10:
+            if kills % 2:  # kill inside a save: the second one this launch starts, so each launch progresses
+                seen = wait_for_saves(chaos, proc, count=2)
+                during_save += seen
+            else:
+                time.sleep(rng.uniform(0.2, 1.0) * duration)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                kills += 1
+                for folder in (chaos / "checkpoints").glob("step-*"):  # visible means complete
+                    assert (folder / "train_state.json").exists(), folder
+                continue
+        stdout, stderr = proc.communicate(timeout=300)
+        if proc.returncode == 0 and (chaos / "checkpoints" / f"step-{steps:07d}").is_dir():
+            break
+        assert kills >= 10 or proc.returncode == 0, stderr[-2000:]
+    assert kills >= 10 and during_save >= 3
+    ours, theirs = final_weights(chaos, steps), final_weights(reference, steps)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def wait_for_saves(run_dir, proc, count, timeout=120):
+    """Poll until the `count`-th checkpoint write of this launch starts; True if it was caught mid-save."""
+    deadline, seen = time.monotonic() + timeout, set()
+    while time.monotonic() < deadline and proc.poll() is None:
+        for tmp in (run_dir / "checkpoints").glob(".tmp-step-*") if (run_dir / "checkpoints").exists() else ():
+            seen.add(tmp.name)
+            if len(seen) >= count:
+                return True
+        time.sleep(0.002)
+    return False
+
+
+def test_resume_onto_other_rank_counts_and_strategies(tmp_path):
+    common = ["train.steps=12", "checkpoint.every=4"]
+    reference = tmp_path / "reference"
+    train(reference, *common, "parallel.strategy=zero3", nproc=2)
+    moved = tmp_path / "moved"
+    train(moved, *common, "parallel.strategy=zero3", "train.stop_after_steps=4", nproc=2)
+    train(moved, *common, "parallel.strategy=ddp", "train.stop_after_steps=4")  # one rank
+    step8 = moved / "checkpoints" / "step-0000008"
+    train(moved, *common, "parallel.strategy=hybrid_zero2", "parallel.hybrid_shard_size=1", nproc=2,
+          extra_args=("--resume", str(step8)))
+    ours, theirs = losses(moved), losses(reference)
+    for step in (5, 9, 12):
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-4), step
+
+
+def test_walltime_saves_before_the_limit(tmp_path):
+    proc = start(tmp_path, "train.steps=100000", "checkpoint.every=0", "train.walltime=12", "train.walltime_margin=0",
+                 nproc=1)
+    stdout, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-2000:]
+    assert "stopped by walltime" in stderr
+    assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 1
