@@ -8,11 +8,11 @@ saves block the training loop.
     .venv/bin/python bench/checkpoint.py --set train.global_batch_size=8 --set train.micro_batch_size=8
 
 One process, one rank, CPU (or whatever `parallel.device` picks). The model is the default llama widened to
-hidden 512 / 8 layers (about 29.5M parameters): with AdamW's two moments a checkpoint is about 355 MB. One
-training step is taken first so that the optimizer state exists. Everything is written under a fresh temp
+hidden 512 / 8 layers (about 29.5M parameters): with AdamW's two moments a checkpoint is about 355 MB. Batch 2 x 128
+tokens keeps a step short. `--warmup` (2) training steps are taken first, so that the optimizer state exists. Everything is written under a fresh temp
 folder inside `--dir` (default: the system temp dir), removed at the end unless `--keep`.
 
-1. Save throughput vs the disk, alternating `--reps` times (the side that goes first swaps every time):
+1. Save throughput vs the disk, alternating `--reps` (5) times (the side that goes first swaps every time):
    * disk: the checkpoint's byte count written to one file with `os.write` of a `--chunk-mb` random buffer,
      then one `os.fsync`: the file system's plain sequential write speed, durable.
    * checkpoint: `Trainer.save(wait=True)` with a synchronous `CheckpointManager`: `write_shards`
@@ -23,8 +23,8 @@ folder inside `--dir` (default: the system temp dir), removed at the end unless 
    MB/s = bytes of the committed folder / wall time; ratio = checkpoint MB/s / disk MB/s.
 
 2. Training-blocking time, modes `none` (no saves: the baseline), `sync` and `async` (`checkpoint.async`),
-   interleaved over `--rounds` (the mode order rotates every round). Each round is `--steps` real
-   `Trainer.train_steps` steps with a save every `--every` steps of the round, then `finalize()` (the drain:
+   interleaved over `--rounds` (3; the mode order rotates every round). Each round is `--steps` (8) real
+   `Trainer.train_steps` steps with a save every `--every` (4) steps of the round, then `finalize()` (the drain:
    the last async save's background write and commit). Measured per save: the manager's own `blocking_s`
    (write_shards only), and an independent wall-clock timer around the loop's `Trainer.save` call (which
    also includes waiting for the previous async save, and for sync saves the commit); for async saves the
@@ -71,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default=None,
                    help="where to write (a temp folder is made inside it and removed); default the system temp dir")
     p.add_argument("--keep", action="store_true", help="leave the temp folder in place")
-    p.add_argument("--reps", type=int, default=3, help="disk / checkpoint repetitions, part 1 (default 3)")
+    p.add_argument("--reps", type=int, default=5, help="disk / checkpoint repetitions, part 1 (default 5)")
     p.add_argument("--chunk-mb", type=int, default=16, help="os.write buffer size of the disk side (default 16)")
-    p.add_argument("--rounds", type=int, default=2, help="rounds per mode, part 2 (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds per mode, part 2 (default 3)")
     p.add_argument("--steps", type=int, default=8, help="training steps per round (default 8)")
     p.add_argument("--every", type=int, default=4, help="save every N steps of a round (default 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed training steps first (default 2)")
@@ -101,7 +101,7 @@ class BenchManager(CheckpointManager):
         super().__init__(root, config, trainer.total_steps, trainer.logger.info)
         self.round_start = 0
         self.in_save = False
-        self.wait_prev_s: list[float] = []   # finalize() inside save(): waiting for the previous save + its commit
+        self.wait_prev_s: list[float] = []   # save() waiting for the previous (async) save and committing it
         self.write_s: list[float] = []       # save start -> background write done (async), or -> commit (sync)
         self.drain_s: list[float] = []       # finalize() outside save(): the end-of-round drain
 
@@ -109,6 +109,10 @@ class BenchManager(CheckpointManager):
         return bool(self.config.every) and (step - self.round_start) % self.config.every == 0
 
     def save(self, step, model, optimizer, train_state, write_extras, *, wait=False):
+        start = time.perf_counter()
+        if self._pending is not None:  # what CheckpointManager.save does first, timed on its own
+            CheckpointManager.finalize(self)
+            self.wait_prev_s.append(time.perf_counter() - start)
         start = time.perf_counter()
         self.in_save = True
         try:
@@ -125,8 +129,8 @@ class BenchManager(CheckpointManager):
         pending = self._pending is not None
         start = time.perf_counter()
         path = super().finalize()
-        if pending:
-            (self.wait_prev_s if self.in_save else self.drain_s).append(time.perf_counter() - start)
+        if pending and not self.in_save:
+            self.drain_s.append(time.perf_counter() - start)
         return path
 
 
@@ -210,6 +214,8 @@ def part1(trainer: Trainer, root: Path, args: argparse.Namespace) -> int:
     print(f"checkpoint: {nbytes / MB:.1f} MB in the committed folder ({distcp / MB:.1f} MB of .distcp data)")
     buf = os.urandom(args.chunk_mb * 1024 * 1024)
     target = root / "disk-sequential.bin"
+    disk_write(target, nbytes, buf)  # untimed: the first write of a fresh file system pays extra (allocation)
+    target.unlink()
 
     def disk() -> tuple[float, str]:
         seconds = disk_write(target, nbytes, buf)
@@ -224,7 +230,8 @@ def part1(trainer: Trainer, root: Path, args: argparse.Namespace) -> int:
         size = folder_bytes(saved)
         shutil.rmtree(saved)
         shards = manager.blocking_s[-1]
-        return size / MB / seconds, f"{seconds:.2f}s (write_shards {shards:.2f}s, commit {seconds - shards:.2f}s), {len(calls)} fsync"
+        note = f"{seconds:.2f}s (write_shards {shards:.2f}s, commit {seconds - shards:.2f}s), {len(calls)} fsync"
+        return size / MB / seconds, note
 
     print()
     header = f"{'rep':>3}  {'first':<10}  {'disk MB/s':>9}  {'ckpt MB/s':>9}  {'ratio':>6}  checkpoint"
@@ -323,7 +330,8 @@ def check_async(m: BenchManager, ref_distcp: int) -> None:
         if not (path / ckpt.TRAIN_STATE).exists() or not (path / ".metadata").exists():
             problems.append(f"{path.name} lacks train_state.json or .metadata")
         elif folder_bytes(path, ".distcp") != ref_distcp:
-            problems.append(f"{path.name} holds {folder_bytes(path, '.distcp')} bytes of .distcp, a sync save {ref_distcp}")
+            problems.append(f"{path.name} holds {folder_bytes(path, '.distcp')} bytes of .distcp, a sync save "
+                            f"{ref_distcp}")
     leftovers = sorted(p.name for p in m.root.glob(".tmp-*"))
     if leftovers:
         problems.append(f"left-over incomplete folders: {', '.join(leftovers)}")
@@ -342,7 +350,7 @@ def summarize(result: dict, args: argparse.Namespace) -> None:
     for mode in ("sync", "async"):
         m = managers[mode]
         blocking[mode] = (med(m.blocking_s), med(save_wall[mode]))
-        waits = f", waiting for the previous save inside save() {sum(m.wait_prev_s):.2f}s in all" if m.wait_prev_s else ""
+        waits = f", waiting for the previous save inside save() {sum(m.wait_prev_s):.2f}s in all" * bool(m.wait_prev_s)
         print(f"  {mode:<5}  manager blocking_s {blocking[mode][0]:.3f}s  wall around Trainer.save "
               f"{blocking[mode][1]:.3f}s  save->written {med(m.write_s):.3f}s{waits}")
     print(f"  async/sync blocking ratio: manager blocking_s {blocking['async'][0] / blocking['sync'][0]:.3f}, "
@@ -392,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "train.global_batch_size=2",
         "train.micro_batch_size=2",
         "checkpoint.every=0",
+        "checkpoint.on_error=stop",  # a failed save must stop the benchmark, not be timed as a fast one
         "metrics.progress=none",
         "metrics.tensorboard=false",
         f"metrics.log_every={10 ** 9}",

@@ -22,7 +22,8 @@ Everything runs in one process on this machine (CPU, or whatever `parallel.devic
    `data.shuffle_buffer` documents, per stream inside the timed span). The stdlib corpus has few, large
    documents: each stream's slice is a single window, tokenized once and kept across epochs, so after the
    first batch that loader only packs. Rates are the timed tokens over the timed seconds (all rounds);
-   `max ms` is the slowest single batch, the longest a step could wait on the loader.
+   `max ms` is the slowest single batch, the longest a step could wait on the loader; it is printed against
+   the median training step, with the lowest loader/consumption ratio of the table.
    Consumption is the real trainer: `Trainer(cfg).build()`, `.start(None)`, then `train_steps(n)` per round
    on the same config in one process (which uses both cores), median over rounds. With 2 ranks on the machine
    each rank trains its 8 rows at about the same step rate, so a rank consumes about half that:
@@ -36,7 +37,8 @@ Everything runs in one process on this machine (CPU, or whatever `parallel.devic
    depths for --reps repetitions: a fresh `DataPlan` + `StreamLoader` + `load_state_dict` + the first
    `next_batch()` is timed (the whole cost of resuming; the tokenizer object is reused, the shuffle cache
    emptied), and that first batch must equal the kept one (input_ids, labels, position_ids, origins).
-   Reported: the median (min, max) per depth and the ratio deepest / shallowest.
+   Reported: the median (min, max) per depth, the part of it spent before the first batch (plan + load),
+   and the ratio deepest / shallowest (of the medians, and of the best restores).
 """
 
 from __future__ import annotations
@@ -46,12 +48,12 @@ import contextlib
 import copy
 import io
 import json
-from collections import Counter
 import re
 import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of part 1 (default 3)")
     p.add_argument("--batches-per-round", type=int, default=600,
                    help="loader batches per loader per round (default 600; x rounds = the timed span)")
-    p.add_argument("--steps-per-round", type=int, default=5, help="trainer steps per round (default 5)")
-    p.add_argument("--warmup-steps", type=int, default=3, help="untimed trainer steps first (default 3)")
+    p.add_argument("--steps-per-round", type=int, default=4, help="trainer steps per round (default 4)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed trainer steps first (default 2)")
     p.add_argument("--docs", type=int, default=100_000, help="documents of the generated jsonl (default 100000)")
     p.add_argument("--sft-records", type=int, default=30_000, help="records of the generated SFT jsonl (default 30000)")
     p.add_argument("--restore-steps", default="10,100,1000,4000",

@@ -130,5 +130,6 @@ class StreamLoader:
         if self.num_workers == 0:
             return iter(dataset)
         workers = min(self.num_workers, len(self.stream_ids))
-        return iter(DataLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=4,
+        ahead = 2 * len(self.stream_ids) // workers  # items are single rows: keep about two batches in flight
+        return iter(DataLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=max(2, ahead),
                                collate_fn=lambda item: item))

@@ -32,7 +32,6 @@ def _cumulative(weights: tuple[float, ...]) -> np.ndarray:
     return np.cumsum(np.asarray(weights, dtype=np.float64))
 
 
-@lru_cache(maxsize=64)
 def window_permutation(size: int, *key: int) -> np.ndarray:
     """The shuffle of one window of `size` documents, determined by `key`."""
     return np.random.default_rng(list(key)).permutation(size)

@@ -43,12 +43,15 @@ class DocumentOrder:
         self.source, self.lo, self.length, self.rotate = source, lo, hi - lo, rotate
         self.buffer, self.key, self.encode = buffer, key, encode
         self._window: tuple[int, dict[int, Encoded | None]] | None = None
+        self._shuffle: tuple[int, int, np.ndarray] | None = None  # (epoch, window, permutation)
 
     def at(self, epoch: int, pos: int) -> tuple[int, Encoded | None]:
         """(document index, its encoding or None if skipped) at position `pos` of `epoch`."""
         window, offset = divmod(pos, self.buffer)
         size = min(self.buffer, self.length - window * self.buffer)
-        shuffled = window * self.buffer + int(window_permutation(size, *self.key, epoch, window)[offset])
+        if self._shuffle is None or self._shuffle[:2] != (epoch, window):
+            self._shuffle = (epoch, window, window_permutation(size, *self.key, epoch, window))
+        shuffled = window * self.buffer + int(self._shuffle[2][offset])
         index = self.lo + (shuffled + self.rotate) % self.length
         return index, self._load(window, size)[index]
 
