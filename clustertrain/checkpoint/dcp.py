@@ -13,6 +13,7 @@ import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,13 +50,11 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-_ASYNC_GROUP = None
-
-
-def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, async_save: bool = False):
+def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, async_group=None):
     """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
 
-    Returns the Future of an async save (the writes go on in the background), or None when done.
+    With `async_group` (a process group of its own, so background collectives never interleave with
+    training's) the writes go on in the background and a Future is returned; otherwise None, when done.
     """
     tmp = root / f".tmp-{step_dir_name(step)}"
     if dist.get_rank() == 0:
@@ -65,13 +64,10 @@ def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, 
     _write_json(tmp / f"rng-{dist.get_rank()}.json", rng_state())
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    if not async_save:
+    if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
         return None
-    global _ASYNC_GROUP
-    if _ASYNC_GROUP is None:  # background writes need collectives of their own, off the training group
-        _ASYNC_GROUP = dist.new_group(backend="gloo")
-    return dcp.async_save(state, checkpoint_id=tmp, process_group=_ASYNC_GROUP)
+    return dcp.async_save(state, checkpoint_id=tmp, process_group=async_group)
 
 
 def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Callable[[Path], None]) -> Path:
@@ -85,6 +81,7 @@ def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Cal
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync_dir(root)  # the rename itself survives a node crash
     dist.barrier()
     return final
 
@@ -147,7 +144,20 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -
     rng = path / f"rng-{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng.exists():  # a rank that did not exist in the saving run keeps its seeded state
         set_rng_state(json.loads(rng.read_text()))
-    return json.loads((path / TRAIN_STATE).read_text())
+    try:
+        return json.loads((path / TRAIN_STATE).read_text())
+    except json.JSONDecodeError:
+        raise CheckpointError(f"{path / TRAIN_STATE} is damaged (not JSON); resume from an earlier checkpoint") from None
+
+
+def move_aside(run_dir: Path) -> Path:
+    """Move a run's checkpoints and logs into `run_dir/replaced-<time>/`: starting over loses nothing."""
+    target = run_dir / time.strftime("replaced-%Y%m%d-%H%M%S")
+    target.mkdir(parents=True)
+    for name in ("checkpoints", "metrics.jsonl", "samples.jsonl", "tensorboard", "config.yaml"):
+        if (run_dir / name).exists():
+            os.replace(run_dir / name, target / name)
+    return target
 
 
 def remove_incomplete(root: Path) -> None:
@@ -159,5 +169,16 @@ def remove_incomplete(root: Path) -> None:
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    with tmp.open("w") as f:
+        f.write(json.dumps(data, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

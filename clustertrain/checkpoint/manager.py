@@ -78,9 +78,10 @@ class CheckpointManager:
     def __init__(self, root: Path, config: CheckpointConfig, final_step: int, log: Callable[[str], None]):
         self.root, self.config, self.final_step, self.log = root, config, final_step, log
         self.rank0 = dist.get_rank() == 0
-        self._pending: tuple[Future, int, dict[str, Any], Callable[[Path], None], float] | None = None
+        self._pending: tuple[Future | None, int, dict[str, Any], Callable[[Path], None]] | None = None
         self.last: Path | None = None
         self.blocking_s: list[float] = []
+        self._async_group = None
 
     def due(self, step: int) -> bool:
         return bool(self.config.every) and step % self.config.every == 0
@@ -88,24 +89,25 @@ class CheckpointManager:
     def save(self, step: int, model: nn.Module, optimizer: Optimizer, train_state: dict[str, Any],
              write_extras: Callable[[Path], None], *, wait: bool = False) -> Path | None:
         """Save `step`; returns the committed folder (None while an async save is still writing)."""
+        start = time.perf_counter()  # blocking time includes waiting for the previous save
         self.finalize()
-        start = time.perf_counter()
+        if self.config.async_save and self._async_group is None:
+            self._async_group = dist.new_group(backend="gloo")
         try:
-            future = ckpt.write_shards(self.root, step, model, optimizer, async_save=self.config.async_save)
+            future = ckpt.write_shards(self.root, step, model, optimizer, async_group=self._async_group)
         except WRITE_ERRORS as e:  # any write failure: report, keep the previous checkpoint
             self._failed(step, e)
             return None
+        self._pending = (future, step, train_state, write_extras)
+        path = self.finalize() if wait or not self.config.async_save else None
         self.blocking_s.append(time.perf_counter() - start)
-        self._pending = (future, step, train_state, write_extras, start)
-        if wait or not self.config.async_save:
-            return self.finalize()
-        return None
+        return path
 
     def finalize(self) -> Path | None:
         """Wait for the save in flight, then make it visible and prune; every rank must call this."""
         if self._pending is None:
             return None
-        future, step, train_state, write_extras, start = self._pending
+        future, step, train_state, write_extras = self._pending
         self._pending = None
         try:
             if future is not None:

@@ -12,6 +12,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=3e-4")
     parser.add_argument("--nproc", type=int, default=None, help="start this many local ranks (like torchrun)")
     parser.add_argument("--resume", default=None, help="auto, none, or a checkpoint path (sets train.resume)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="with --resume none: start over, moving the old run's files to replaced-<time>/")
     parser.add_argument("--log-all-ranks", action="store_true", help="let every rank print (debug hangs)")
     parser.set_defaults(run=run)
 
@@ -20,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
     from clustertrain.config.load import load_config
     from clustertrain.errors import ConfigError
 
-    overrides = [*args.set, *([f"train.resume={args.resume}"] if args.resume else [])]
+    overrides = [*args.set, *([f"train.resume={args.resume}"] if args.resume else []),
+                 *(["train.overwrite=true"] if args.overwrite else [])]
     config = load_config(args.config, overrides)  # fail fast, before any rank starts
     if args.nproc is not None:
         if args.nproc < 1:

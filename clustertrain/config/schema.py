@@ -145,6 +145,9 @@ class TrainConfig(Section):
     micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward on one rank.")
     seed: int = Field(1234, description="Seeds the initial weights and the data order (same on any rank count).")
     resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
+    overwrite: bool = Field(
+        False, description="With resume none, start over in a run directory that has checkpoints (moved aside)."
+    )
     stop_after_steps: int | None = Field(
         None, gt=0, description="End this run after this many steps (with a checkpoint); the schedule is unchanged."
     )

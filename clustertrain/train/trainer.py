@@ -105,11 +105,17 @@ class Trainer:
             ckpt.remove_incomplete(root)
         dist.barrier()
         if choice == "none":
-            if ckpt.latest_checkpoint(root):
+            if ckpt.latest_checkpoint(root) and not self.config.train.overwrite:
                 raise CheckpointError(
                     f"{self.run_dir} already holds checkpoints and train.resume is 'none'; use --resume auto to "
-                    "continue it, or set train.run_dir to start a new run"
+                    "continue it, --overwrite to start over (the old run is moved aside), or another train.run_dir"
                 )
+            if ckpt.latest_checkpoint(root):
+                dist.barrier()  # every rank has seen the old checkpoints before rank 0 moves them
+                if self.rank0:
+                    moved = ckpt.move_aside(self.run_dir)
+                    print(f"moved the previous run's files to {moved}", flush=True)
+            dist.barrier()
             return None
         path = ckpt.latest_checkpoint(root) if choice == "auto" else Path(choice)
         if path is None:

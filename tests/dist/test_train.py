@@ -106,10 +106,20 @@ def test_resume_matches_uninterrupted(runs, tmp_path, name):
     assert sorted(resumed) == list(range(1, 11))
 
 
-def test_resume_none_refuses_to_overwrite(runs):
-    result = run_cli("train", *[f"--set={o}" for o in TINY], f"--set=train.run_dir={runs['single']}", "--resume", "none")
-    assert result.returncode == 2
-    assert "already holds checkpoints" in result.stderr and "Traceback" not in result.stderr
+def test_resume_none_refuses_to_overwrite_unless_told(tmp_path):
+    train(tmp_path, "train.steps=2")
+    args = ["train", *[f"--set={o}" for o in TINY], f"--set=train.run_dir={tmp_path}", "--set=train.steps=3",
+            "--resume", "none"]
+    refused = run_cli(*args)
+    assert refused.returncode == 2
+    assert "already holds checkpoints" in refused.stderr and "Traceback" not in refused.stderr
+    assert (tmp_path / "checkpoints" / "step-0000002").is_dir()
+    restarted = run_cli(*args, "--overwrite")
+    assert restarted.returncode == 0, restarted.stderr[-2000:]
+    assert "starting fresh" in restarted.stdout
+    old = list(tmp_path.glob("replaced-*/checkpoints/step-0000002"))
+    assert len(old) == 1, "the old run is moved aside, not deleted"
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
 
 
 def test_torchrun_launch(tmp_path):
