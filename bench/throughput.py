@@ -9,7 +9,7 @@ Does clustertrain add anything to a training step? Its loop against a minimal ha
 One process, one rank, CPU (or whatever `parallel.device` picks), one model and one batch shape for both sides:
 
 * clustertrain: `Trainer(cfg).build()` and `.start(None)`, then `Trainer.train_steps(n)` per round: the
-  real step path with the lr schedule, `GlobalBatchLoader.next_batch`, `train_step` (token count,
+  real step path with the lr schedule, `StreamLoader.next_batch`, `train_step` (token count,
   microbatches with gradient accumulation, global-norm clip, AdamW) and the metrics call every
   `metrics.log_every` steps (JSONL and TensorBoard writes). Evaluation, checkpoints and the end-of-run
   sample are off; the progress display is `none`.
@@ -38,13 +38,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from clustertrain.config.load import load_config  # noqa: E402
+from clustertrain.data.loader import StreamLoader  # noqa: E402
 from clustertrain.parallel.apply import DTYPES, unwrap  # noqa: E402
 from clustertrain.train.metrics import read_jsonl  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
@@ -125,15 +125,12 @@ class HandWrittenSide:
         # A lower-precision param_dtype is run under autocast, as clustertrain does for DDP.
         dtype = DTYPES[cfg.parallel.param_dtype]
         self.autocast = None if dtype == torch.float32 else dtype
-        # Global batches of the same shape from the same packed token data, built once, cycled through.
-        seqs = trainer.loader.sequences
-        rng = np.random.default_rng(0)
-        rows = trainer.loader.local_batch_size
+        # Global batches of the same shape from the same data, built once in memory, cycled through.
+        loader = StreamLoader(trainer.plan, dp_rank=0, dp_size=1)
         self.batches = []
         for _ in range(n_batches):
-            idx = rng.choice(len(seqs), size=rows, replace=len(seqs) < rows)
-            window = torch.from_numpy(np.stack([seqs[int(i)] for i in idx]).astype(np.int64)).to(self.device)
-            self.batches.append((window[:, :-1], window[:, 1:]))
+            batch = loader.next_batch()
+            self.batches.append((batch["input_ids"].to(self.device), batch["labels"].to(self.device)))
         self.next = 0
         self.last_loss: float | None = None
 

@@ -87,7 +87,7 @@ def test_tensorboard_reads_back(runs):
 def test_metrics_have_the_documented_keys(runs):
     from clustertrain.train.metrics import read_jsonl
 
-    record = read_jsonl(runs["ddp"] / "metrics.jsonl")[-1]
+    record = [r for r in read_jsonl(runs["ddp"] / "metrics.jsonl") if "loss" in r][-1]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "eta_s"} <= set(record)
     assert record["tokens_per_s"] > 0 and 0 < record["mfu"] < 1
 
