@@ -17,9 +17,7 @@ import re
 from dataclasses import dataclass
 
 from clustertrain.errors import DataError
-from clustertrain.data.pack import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "Example", "render_example"]
 
 _LLAMA2_MARKERS = re.compile(r"(<s>|</s>|\[INST\]|\[/INST\])")
 
@@ -30,10 +28,6 @@ class Example:
 
     input_ids: list[int]
     loss_mask: list[bool]
-
-    def labels(self) -> list[int]:
-        """`input_ids` with IGNORE_INDEX outside the responses, unshifted (shift them as the loader does)."""
-        return [t if keep else IGNORE_INDEX for t, keep in zip(self.input_ids, self.loss_mask)]
 
 
 def render_example(record: dict, tokenizer, *, field: str = "text", location: str = "") -> Example:

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
-from clustertrain.data.sft import IGNORE_INDEX, Example, render_example
+from clustertrain.data.sft import Example, render_example
 from clustertrain.errors import DataError
 
 SPECIAL_TOKENS = [
@@ -165,10 +165,3 @@ def test_missing_fields_and_non_string_completion(tokenizer):
         render_example({"prompt": "p", "id": 1}, tokenizer, location="f:1")
     with pytest.raises(DataError, match=r"^completion is a NoneType, not a string$"):
         render_example({"prompt": "p", "completion": None}, tokenizer)
-
-
-def test_labels_ignore_the_prompt(tokenizer):
-    example = render_example({"prompt": "a b", "completion": " c"}, tokenizer)
-    labels = example.labels()
-    assert [t for t in labels if t != IGNORE_INDEX] == [t for t, k in zip(example.input_ids, example.loss_mask) if k]
-    assert labels[0] == IGNORE_INDEX
