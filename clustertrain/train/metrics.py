@@ -48,6 +48,8 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
     ("mem_gb", lambda v: f"mem {v:.2f} GB"),
     ("eval_loss", lambda v: f"eval_loss {v:.4f}"),
     ("eval_ppl", lambda v: f"eval_ppl {v:.2f}"),
+    ("data_skipped", lambda v: f"skipped {v} bad records"),
+    ("checkpoint_blocking_s", lambda v: f"checkpoint blocked {v:.2f}s"),
 )
 _BAR_KEYS = ("loss", "tokens_per_s")
 
