@@ -32,6 +32,15 @@ STEP_DIR = re.compile(r"^step-(\d{7,})$")
 TRAIN_STATE = "train_state.json"
 
 
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP unpickles non-tensor values (optimizer hyperparameters) freely; admit only plain data."""
+
+    def load_bytes(self, read_item, value) -> None:
+        torch.load(value, weights_only=True)  # raises on anything but tensors and plain Python data
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
 
@@ -134,12 +143,12 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -
     has_optim = any(k.startswith("optim") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     if optimizer is None or not has_optim:  # an imported HF model: weights only, fresh optimizer
         model_state = get_state_dict(model, [])[0]
-        dcp.load({"model": model_state}, checkpoint_id=path)
+        dcp.load({"model": model_state}, checkpoint_id=path, planner=SafeLoadPlanner())
         set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={})
     else:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = path / f"rng-{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng.exists():  # a rank that did not exist in the saving run keeps its seeded state

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from clustertrain.checkpoint.dcp import TRAIN_STATE, latest_checkpoint
+from clustertrain.checkpoint.dcp import TRAIN_STATE, SafeLoadPlanner, latest_checkpoint
 from clustertrain.config.load import dump_config, load_config, validate
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import CheckpointError
@@ -76,7 +76,7 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
     _check_fits(path, state["model"])
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
     set_model_state_dict(model, state["model"])
     return model.eval(), tokenizer, config
 
