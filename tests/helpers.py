@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from clustertrain.train.metrics import read_jsonl
 
@@ -48,3 +51,31 @@ def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: str 
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> training loss from a run's metrics.jsonl (later records win, as after a resume)."""
     return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("loss") is not None}
+
+
+def final_weights(run_dir: Path, step: int) -> dict:
+    """The model weights of a run's checkpoint at `step`, as one full state dict."""
+    from clustertrain.checkpoint.export import load_checkpoint_model
+
+    model, _, _ = load_checkpoint_model(Path(run_dir) / "checkpoints" / f"step-{step:07d}")
+    return model.state_dict()
+
+
+def require(tool: str, probe: list[str] | None = None) -> None:
+    """Skip when `tool` is not usable here; fail instead under CI, where .ci/run must have installed it."""
+    usable = shutil.which(tool) is not None
+    if usable and probe:
+        usable = subprocess.run(probe, capture_output=True, timeout=30).returncode == 0
+    if usable:
+        return
+    message = f"{tool} is not usable here; `sudo bash scripts/slurm/setup_local_slurm.sh` installs and starts it"
+    if os.environ.get("CI"):
+        pytest.fail(message + " (.ci/run should have run it)")
+    pytest.skip(message)
+
+
+def free_port_env() -> str:
+    """A free TCP port, as a string for MASTER_PORT."""
+    from clustertrain.dist.spawn import free_port
+
+    return str(free_port())

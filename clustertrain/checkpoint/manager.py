@@ -24,8 +24,8 @@ from torch.optim import Optimizer
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.config.schema import CheckpointConfig
 from clustertrain.errors import CheckpointError
+from clustertrain.train.status import REQUEUE_EXIT_CODE
 
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later"; launchers and `clustertrain slurm` requeue on it
 WRITE_ERRORS = (Exception, CheckpointException)  # DCP's exception derives from BaseException
 
 

@@ -9,6 +9,8 @@
     clustertrain data audit runs/tiny-llama
     clustertrain export runs/tiny-llama exports/tiny-llama      # HF safetensors directory
     clustertrain import path/to/hf-model checkpoints/start      # a checkpoint to start from (--resume PATH)
+    clustertrain slurm submit configs/tiny-llama.yaml --set slurm.nodes=2   # sbatch, requeued until done
+    clustertrain slurm status runs/tiny-llama
 """
 
 from __future__ import annotations
@@ -20,13 +22,13 @@ from clustertrain.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import config_cmd, data_cmd, export_cmd, tokenizer_cmd, train_cmd
+    from clustertrain.cli import config_cmd, data_cmd, export_cmd, slurm_cmd, tokenizer_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd):
+    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd, slurm_cmd):
         module.add_parser(commands)
     return parser
 

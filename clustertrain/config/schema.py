@@ -6,10 +6,11 @@ Each component receives only its own section. Field descriptions double as the c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -195,6 +196,89 @@ class MetricsConfig(Section):
     )
 
 
+SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
+
+
+class SlurmConfig(Section):
+    preset: str = Field(
+        "generic", description="Cluster preset: frontier, perlmutter, generic, or the path of your own preset YAML "
+        "(modules, environment, GPUs per node, scratch root; see docs/slurm.md)."
+    )
+    account: str | None = Field(None, description="Allocation to charge (--account).")
+    partition: str | None = Field(None, description="Partition (--partition); default: the preset's.")
+    qos: str | None = Field(None, description="Quality of service (--qos); default: the preset's.")
+    nodes: int = Field(1, gt=0, description="Nodes (--nodes).")
+    gpus_per_node: int | None = Field(None, ge=0, description="GPUs per node; default: the preset's (0 = CPU only).")
+    tasks_per_node: int | None = Field(
+        None, gt=0, description="Ranks per node; default: one per GPU, or 1 on CPU-only nodes."
+    )
+    cpus_per_task: int | None = Field(None, gt=0, description="CPU cores per rank; default: the preset's.")
+    time: str = Field("01:00:00", description="Time limit of each job (minutes, or [D-]HH:MM:SS), as sbatch --time.")
+    job_name: str | None = Field(None, description="Job name; default: the run name.")
+    output: str | None = Field(None, description="Job log path (%j = job id); default <run_dir>/slurm/%j.out.")
+    signal_before: int = Field(
+        300, ge=10, description="Seconds before the time limit that Slurm sends USR1 (--signal=B:USR1@N): the run "
+        "saves and stops, then is requeued. Allow for one step plus one checkpoint."
+    )
+    launcher: Literal["srun", "torchrun"] = Field(
+        "srun", description="srun: one task per rank (ranks from Slurm); torchrun: one srun task per node running "
+        "torchrun."
+    )
+    requeue: Literal["requeue", "dependency", "none"] = Field(
+        "requeue", description="When a job stops unfinished (signal, preemption, time limit): requeue the same job "
+        "id (scontrol requeue), submit a follow-up job that depends on it, or leave it stopped."
+    )
+    max_restarts: int = Field(20, ge=0, description="Give up after this many restarts of one submission (a crash loop).")
+    modules: list[str] = Field(default_factory=list, description="Modules to load after the preset's.")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment for the job, after the preset's; ${NAME} expands, nothing else "
+        "does. Never put secrets here: export them before submitting (sbatch passes your environment on)."
+    )
+    setup: list[str] = Field(
+        default_factory=list, description="Shell lines run before training, e.g. `source /path/venv/bin/activate`."
+    )
+    sbatch: dict[str, str | int | bool] = Field(
+        default_factory=dict, description="More sbatch options, e.g. {constraint: nvme, mail-type: END}."
+    )
+    python: str | None = Field(None, description="Python that runs clustertrain on the nodes; default: the one rendering.")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) else value
+
+    @model_validator(mode="after")
+    def _checks(self) -> SlurmConfig:
+        if self.signal_before >= parse_slurm_time(self.time):
+            raise ValueError(f"signal_before = {self.signal_before} s must be shorter than time = {self.time!r}")
+        single_line = [self.account, self.partition, self.qos, self.job_name, self.output, self.python,
+                       *self.modules, *self.env.values(), *map(str, self.sbatch.values())]
+        if any(v is not None and ("\n" in v or "\r" in v) for v in single_line):
+            raise ValueError("values must be one line each: a newline would end the #SBATCH line")
+        for name in self.env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise ValueError(f"env: {name!r} is not a valid environment variable name")
+            if SECRET_NAME.search(name):
+                raise ValueError(
+                    f"env.{name} looks like a secret, and the job script must not hold one; export {name} in the "
+                    "shell you submit from (sbatch passes your environment to the job)"
+                )
+        return self
+
+
+def parse_slurm_time(value: str) -> float:
+    """Seconds from sbatch's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())
+    if not m:
+        raise ValueError(f"time {value!r} is not a Slurm time such as 02:00:00, 90 or 1-00:00:00")
+    days, a, b, c = (int(x) if x else None for x in m.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:  # HH:MM:SS
+        return a * 3600 + b * 60 + c
+    return a * 60 + (b or 0)  # MM[:SS]
+
+
 def parse_duration(value: str | float | None) -> float | None:
     """Seconds from a number, or from Slurm's D-HH:MM:SS / HH:MM:SS / MM:SS forms."""
     if value is None or isinstance(value, (int, float)):
@@ -217,6 +301,7 @@ class RunConfig(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
     @property
     def walltime_s(self) -> float | None:

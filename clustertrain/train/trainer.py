@@ -34,6 +34,7 @@ from clustertrain.model.weights import init_weights
 from clustertrain.parallel.apply import DTYPES, autocast_dtype, parallelize, unwrap
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
+from clustertrain.train.status import write_status
 from clustertrain.train.step import StepResult, global_mean_loss, token_loss_sum, train_step
 
 
@@ -135,11 +136,19 @@ class Trainer:
     # ---- loop --------------------------------------------------------------------------------
     def run(self) -> RunSummary:
         """Build, resume, train to the budget (or `train.stop_after_steps`), save; close on every path."""
+        # Listen for stop signals from the start: a warning that comes while the model loads is kept for step 1.
+        self.stop = StopRequests(self.config.walltime_s, self.config.train.walltime_margin)
         try:
             self.build()
             self.start(self.resume())
             self.train_steps(self.stop_step - self.step)
             return self.finish()
+        except Preempted:
+            raise
+        except Exception as e:
+            if self.info.rank == 0:
+                write_status(self.run_dir, "failed", step=self.step, error=f"{type(e).__name__}: {e}")
+            raise
         finally:
             self.close()
 
@@ -152,11 +161,11 @@ class Trainer:
         )
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.total_steps,
                                              self.logger.info)
-        self.stop = StopRequests(cfg.walltime_s, cfg.train.walltime_margin)
         self._announce(resumed)
         if self.rank0:  # the run's own copy, for `clustertrain data audit` and for people
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
+        self._status("running")
         self.saved_step = self.step if resumed else None
         self.stop_step = self.total_steps
         if cfg.train.stop_after_steps:
@@ -189,6 +198,8 @@ class Trainer:
                 if self.saved_step != self.step:
                     self.save(wait=True)
                 self._commit(self.checkpoints.finalize())
+                self._status("preempted", reason=reason)
+                dist.barrier()  # no rank exits before the status is written (srun --kill-on-bad-exit)
                 raise Preempted(reason, self.step, self.summary.checkpoint)
 
     def _next_batch(self, loader: StreamLoader) -> dict[str, torch.Tensor]:
@@ -213,6 +224,7 @@ class Trainer:
         if self.saved_step != self.step:
             self.save(wait=True)
         self._commit(self.checkpoints.finalize())
+        self._status("finished" if self.step >= self.total_steps else "stopped")
         summary = self.summary
         summary.steps = self.step
         self.logger.close()  # flushes metrics.jsonl
@@ -305,6 +317,12 @@ class Trainer:
             blocking = self.checkpoints.blocking_s
             self.logger.log(self.step, {"checkpoint_blocking_s": blocking[-1] if blocking else None})
 
+    def _status(self, state: str, **fields) -> None:
+        if self.rank0:
+            checkpoint = self.summary.checkpoint
+            write_status(self.run_dir, state, step=self.step, total_steps=self.total_steps,
+                         checkpoint=str(checkpoint) if checkpoint else None, **fields)
+
     # ---- sample ------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int) -> str:
@@ -337,7 +355,8 @@ class Trainer:
         p = self.params
         self.logger.info(
             f"clustertrain: {cfg.model.arch} {p['total'] / 1e6:.2f}M params ({p['trainable'] / 1e6:.2f}M trainable), "
-            f"{self.info.world_size} rank(s) via {self.info.launcher} on {self.device.type}, "
+            f"{self.info.world_size} rank(s) on {self.info.world_size // self.info.local_world_size} node(s) "
+            f"via {self.info.launcher} on {self.device.type}, "
             f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard})"
         )
         self.logger.info(

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
-from helpers import TINY, losses, train
+from helpers import TINY, final_weights, losses, train
 
-from clustertrain.checkpoint.manager import REQUEUE_EXIT_CODE
+from clustertrain.train.status import REQUEUE_EXIT_CODE
 
 pytestmark = pytest.mark.dist
 
@@ -100,13 +100,6 @@ def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, policy):
     assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-0000002"]
     train(tmp_path, "train.steps=8", "checkpoint.every=2")  # the kept checkpoint resumes
     assert (tmp_path / "checkpoints" / "step-0000008").is_dir()
-
-
-def final_weights(run_dir, step):
-    from clustertrain.checkpoint.export import load_checkpoint_model
-
-    model, _, _ = load_checkpoint_model(run_dir / "checkpoints" / f"step-{step:07d}")
-    return model.state_dict()
 
 
 def test_sigkill_at_random_moments_still_ends_bit_identical(tmp_path):

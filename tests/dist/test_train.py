@@ -132,5 +132,25 @@ def test_torchrun_launch(tmp_path):
          "train", *args], capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 rank(s) via torchrun" in result.stdout
+    assert "2 rank(s) on 1 node(s) via torchrun" in result.stdout
     assert (tmp_path / "checkpoints" / "step-0000002").is_dir()
+
+
+def test_mpirun_launch_matches_local_ranks(tmp_path):
+    import subprocess
+    import sys
+
+    from helpers import free_port_env, require
+
+    require("mpirun")
+    common = (*TINY, "train.steps=3")
+    train(tmp_path / "local", *common, nproc=2)
+    args = [f"--set={o}" for o in (*common, f"train.run_dir={tmp_path / 'mpi'}")]
+    result = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", f"MASTER_PORT={free_port_env()}",
+         "-x", "CLUSTERTRAIN_CACHE", sys.executable, "-m", "clustertrain", "train", *args],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "2 rank(s) on 1 node(s) via openmpi" in result.stdout
+    assert losses(tmp_path / "mpi") == losses(tmp_path / "local")

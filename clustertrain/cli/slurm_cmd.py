@@ -1,0 +1,143 @@
+"""`clustertrain slurm render|submit|status`: a run's whole life on Slurm, from one config.
+
+    clustertrain slurm render configs/frontier-llama.yaml              # print the sbatch script
+    clustertrain slurm submit configs/frontier-llama.yaml --set slurm.nodes=4
+    clustertrain slurm status runs/frontier-llama                      # jobs, checkpoint, progress, ETA
+
+The script calls `slurm job-start` and `slurm job-end` itself: they record the job chain and requeue a
+run that was stopped unfinished (signal, preemption, time limit) until it is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    slurm = commands.add_parser(
+        "slurm", help="render, submit and follow Slurm jobs that run until the training is done",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = slurm.add_subparsers(dest="slurm_command", required=True, metavar="SUBCOMMAND")
+    for name, run, help_text in (("render", run_render, "print (or write) the sbatch script of a config"),
+                                 ("submit", run_submit, "render the script into the run directory and sbatch it")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("config", nargs="?", help="YAML or TOML config; omit for the embedded default")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. slurm.nodes=4")
+        if name == "render":
+            p.add_argument("-o", "--output", help="write the script here instead of printing it")
+        p.set_defaults(run=run)
+
+    status = sub.add_parser("status", help="the job chain, newest checkpoint, progress and ETA of a run")
+    status.add_argument("run_dir", type=Path)
+    status.set_defaults(run=run_status)
+
+    start = sub.add_parser("job-start", help="(called by the job script) record the job; stop a crash loop")
+    start.add_argument("run_dir", type=Path)
+    start.add_argument("--max-restarts", type=int, required=True)
+    start.set_defaults(run=lambda a: _jobs().job_start(a.run_dir, a.max_restarts))
+
+    end = sub.add_parser("job-end", help="(called by the job script) record the outcome; requeue if unfinished")
+    end.add_argument("run_dir", type=Path)
+    end.add_argument("--exit-code", type=int, required=True)
+    end.add_argument("--signalled", type=int, choices=(0, 1), default=0, help="1 if Slurm warned the job")
+    end.add_argument("--on-stop", choices=("requeue", "dependency", "none"), required=True)
+    end.add_argument("--max-restarts", type=int, required=True)
+    end.set_defaults(run=lambda a: _jobs().job_end(a.run_dir, a.exit_code, bool(a.signalled), a.on_stop,
+                                                 a.max_restarts))
+
+
+def _jobs():
+    from clustertrain.launch import jobs
+
+    return jobs
+
+
+def _load(args: argparse.Namespace):
+    from clustertrain.config.load import load_config
+
+    return load_config(args.config, args.set)
+
+
+def run_render(args: argparse.Namespace) -> int:
+    from clustertrain.launch.slurm import render_script
+
+    config = _load(args)
+    train_args = [str(Path(args.config).resolve())] if args.config else []
+    train_args += [f"--set={o}" for o in args.set]
+    script = render_script(config, train_args, Path.cwd(), args.config or "the embedded default config")
+    if args.output:
+        Path(args.output).write_text(script)
+        print(f"wrote {args.output}; submit it with: sbatch {args.output}")
+    else:
+        sys.stdout.write(script)
+    return 0
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    config = _load(args)
+    job_id, script = _jobs().submit(config, Path.cwd(), args.config or "the embedded default config")
+    run_dir = script.parent.parent
+    print(f"submitted job {job_id} ({script})")
+    print(f"  follow:  clustertrain slurm status {run_dir}")
+    print(f"  log:     tail -f {run_dir / 'slurm' / f'{job_id}.out'}")
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from clustertrain.checkpoint.dcp import latest_checkpoint
+    from clustertrain.errors import LaunchError
+    from clustertrain.train.metrics import format_duration, read_jsonl
+    from clustertrain.train.status import read_status
+
+    jobs = _jobs()
+    run_dir = args.run_dir
+    chain = jobs.read_chain(run_dir)
+    if not chain and not (run_dir / "status.json").exists():
+        raise LaunchError(f"{run_dir} has no Slurm job chain ({run_dir / jobs.CHAIN}) and no status.json; "
+                          "is it a run directory?")
+    console = Console(highlight=False)
+    table = Table("job", "restart", "state", "started", "ended", "exit", "nodes", box=None)
+    live = jobs.job_states(jobs.job_ids(chain))
+    for job_id in jobs.job_ids(chain):
+        events = [e for e in chain if e.get("job_id") == job_id]
+        starts = [e for e in events if e["event"] == "started"] or [{}]
+        ends = [e for e in events if e["event"] == "ended"]
+        for i, start in enumerate(starts):
+            end = ends[i] if i < len(ends) else {}
+            state = live.get(job_id) if i == len(starts) - 1 and job_id in live else end.get("outcome", "?")
+            table.add_row(job_id, str(start.get("restart", "-")), state, _clock(start.get("time")),
+                          _clock(end.get("time")), str(end.get("exit_code", "")), start.get("nodes") or "")
+    console.print(f"[bold]run[/bold] {run_dir.resolve()}")
+    console.print(table)
+    status = read_status(run_dir) or {}
+    if status:
+        detail = status.get("reason") or status.get("error") or ""
+        console.print(f"[bold]state[/bold] {status['state']} at step {status.get('step')}/{status.get('total_steps')}"
+                      + (f" ({detail})" if detail else "") + f", {_clock(status.get('time'))}")
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    console.print(f"[bold]checkpoint[/bold] {checkpoint or '-'}")
+    metrics = run_dir / "metrics.jsonl"
+    records = [r for r in read_jsonl(metrics) if r.get("loss") is not None] if metrics.exists() else []
+    total = status.get("total_steps")
+    if records and total:
+        last = records[-1]
+        line = f"step {last['step']}/{total} ({100 * last['step'] / total:.0f}%), loss {last['loss']:.4f}"
+        if last.get("tokens_per_s") and last.get("tokens"):
+            remaining = (total - last["step"]) * last["tokens"] / last["step"] / last["tokens_per_s"]
+            line += f", {last['tokens_per_s']:,.0f} tokens/s, eta {format_duration(remaining)} of training"
+        console.print(f"[bold]progress[/bold] {line}")
+    started = [e for e in chain if e["event"] == "started"]
+    if started:
+        console.print(f"[bold]log[/bold] tail -f {run_dir / 'slurm' / (started[-1]['job_id'] + '.out')}")
+    return 0
+
+
+def _clock(timestamp: float | None) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).strftime("%m-%d %H:%M:%S") if timestamp else ""

@@ -1,0 +1,62 @@
+"""Cluster presets: what a site needs in every job script (modules, network variables, GPUs per node, scratch).
+
+The built-in presets are YAML files beside this module; a user's own preset is a file of the same form,
+named by path in `slurm.preset`. Each preset lists the documents its values come from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from clustertrain.errors import ConfigError
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class Preset(BaseModel):
+    """A cluster's defaults; `slurm.*` keys in the run config override or extend them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = ""
+    sources: list[str] = Field(default_factory=list, description="Where the values come from.")
+    partition: str | None = None
+    qos: str | None = None
+    gpus_per_node: int = Field(0, ge=0)
+    cpus_per_task: int = Field(1, gt=0)
+    sbatch: dict[str, str | int | bool] = Field(default_factory=dict)
+    srun: list[str] = Field(default_factory=list, description="Extra srun options of the training step.")
+    modules: list[str] = Field(default_factory=list)
+    scratch: str | None = Field(None, description="Root for the HF and clustertrain caches on the nodes.")
+    env: dict[str, str] = Field(default_factory=dict)
+    setup: list[str] = Field(default_factory=list)
+
+
+def builtin_presets() -> list[str]:
+    """Names of the presets that ship with clustertrain."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name_or_path: str) -> Preset:
+    """A built-in preset by name, or a preset file by path.
+
+    Raises:
+        ConfigError: no such preset, or the file is not a valid preset (the message names the key).
+    """
+    looks_like_path = name_or_path.endswith((".yaml", ".yml")) or "/" in name_or_path
+    path = Path(name_or_path) if looks_like_path else PRESET_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(builtin_presets())
+        what = f"preset file {path} does not exist" if looks_like_path else f"no built-in preset {name_or_path!r}"
+        raise ConfigError(f"slurm.preset: {what}; use one of {known}, or the path of your own preset YAML")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+        return Preset.model_validate(data)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"slurm.preset: {path} is not valid YAML: {' '.join(str(e).split())}") from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"slurm.preset: {path}: {problems}") from None

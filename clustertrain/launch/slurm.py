@@ -1,0 +1,193 @@
+"""Render a readable sbatch script from the run config's `slurm` section and its cluster preset.
+
+Every value from a config or preset is shell-quoted: in `#SBATCH` lines (sbatch parses them with shell
+quoting rules) and in the body. In environment values, `${NAME}` expands and nothing else does.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from clustertrain.config.schema import RunConfig, SlurmConfig
+from clustertrain.launch.presets import Preset, load_preset
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The job's shape once the preset's defaults are filled in."""
+
+    nodes: int
+    gpus_per_node: int
+    tasks_per_node: int
+    cpus_per_task: int
+    partition: str | None
+    qos: str | None
+    modules: list[str]
+    env: dict[str, str]
+    setup: list[str]
+    sbatch: dict[str, str | int | bool]
+    srun: list[str]
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+def job_spec(slurm: SlurmConfig, preset: Preset | None = None) -> JobSpec:
+    """Merge the preset (named by `slurm.preset` unless given) with the config's own slurm keys."""
+    preset = preset or load_preset(slurm.preset)
+    gpus = preset.gpus_per_node if slurm.gpus_per_node is None else slurm.gpus_per_node
+    cpus = slurm.cpus_per_task or preset.cpus_per_task
+    env = {**OFFLINE_ENV, "OMP_NUM_THREADS": str(cpus)}
+    if preset.scratch:
+        env |= {"CLUSTERTRAIN_CACHE": f"{preset.scratch}/clustertrain", "HF_HOME": f"{preset.scratch}/huggingface"}
+    return JobSpec(
+        nodes=slurm.nodes,
+        gpus_per_node=gpus,
+        tasks_per_node=slurm.tasks_per_node or max(gpus, 1),
+        cpus_per_task=cpus,
+        partition=slurm.partition or preset.partition,
+        qos=slurm.qos or preset.qos,
+        modules=[*preset.modules, *slurm.modules],
+        env=env | preset.env | slurm.env,
+        setup=[*preset.setup, *slurm.setup],
+        sbatch=preset.sbatch | slurm.sbatch,
+        srun=preset.srun,
+    )
+
+
+def shell_value(value: str) -> str:
+    """Quote `value` for bash so that only `${NAME}` references expand.
+
+    >>> shell_value("/scratch/${USER}/x y")
+    '"/scratch/${USER}/x y"'
+    >>> shell_value("$(rm -rf ~)")
+    "'$(rm -rf ~)'"
+    """
+    parts = _REFERENCE.split(value)  # literal, name, literal, name, ..., literal
+    literals = parts[0::2]
+    if len(parts) == 1:
+        return shlex.quote(value)
+    if not any(c in lit for lit in literals for c in '"\\$`!'):
+        return '"' + "".join(p if i % 2 == 0 else f"${{{p}}}" for i, p in enumerate(parts)) + '"'
+    return "".join(shlex.quote(p) if i % 2 == 0 else f'"${{{p}}}"' for i, p in enumerate(parts) if p or i % 2)
+
+
+def render_script(config: RunConfig, train_args: list[str], workdir: Path, source: str) -> str:
+    """The sbatch script that trains `config` until done: `clustertrain train TRAIN_ARGS` under srun.
+
+    Args:
+        config: The resolved run config (its `slurm` section shapes the job).
+        train_args: Arguments after `clustertrain train`: the config path and any --set overrides.
+        workdir: Directory the job runs in (relative paths in the config resolve from here).
+        source: Where the config came from, for the header comment.
+    """
+    slurm = config.slurm
+    preset = load_preset(slurm.preset)
+    spec = job_spec(slurm, preset)
+    run_dir = (workdir / config.run_dir).resolve()
+    python = slurm.python or sys.executable
+    q = shlex.quote
+
+    lines = [
+        "#!/bin/bash",
+        f"# clustertrain job for run {config.name!r}, from {source}; preset {slurm.preset}: {preset.description}.",
+        "# Submit with `clustertrain slurm submit CONFIG` (it records the job chain in the run directory),",
+        "# or with `sbatch` on this file. Follow it with `clustertrain slurm status RUN_DIR`.",
+    ]
+    lines += [f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)]
+    lines += [
+        "",
+        "# Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from",
+        "# here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.",
+        "signalled=0",
+        "trap 'signalled=1' USR1 TERM",
+        "",
+    ]
+    if spec.modules:
+        lines += ["# Modules and environment: the preset's, then slurm.modules and slurm.env. Nodes run offline.",
+                  "module load " + " ".join(map(q, spec.modules))]
+    else:
+        lines.append("# Environment: the preset's, then slurm.env. Compute nodes run offline.")
+    lines += [f"export {name}={shell_value(value)}" for name, value in spec.env.items()]
+    lines += spec.setup
+    lines += [
+        "",
+        f"python={q(python)}",
+        f"run_dir={q(str(run_dir))}",
+        "end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (an error): stop here",
+        f'    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" '
+        f"--on-stop {slurm.requeue} --max-restarts {slurm.max_restarts}",
+        "}",
+        f'"$python" -m clustertrain slurm job-start "$run_dir" --max-restarts {slurm.max_restarts} || exit 1',
+        'if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train',
+        "",
+    ]
+    train = " ".join(map(q, ["-m", "clustertrain", "train", *train_args]))
+    if slurm.launcher == "srun":
+        srun = ["srun", f"--ntasks-per-node={spec.tasks_per_node}", f"--cpus-per-task={spec.cpus_per_task}",
+                *spec.srun, "--kill-on-bad-exit=1"]
+        lines += [
+            "# One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.",
+            " ".join(map(q, srun)) + ' \\',
+            f'    "$python" {train} &',
+        ]
+    else:
+        srun = ["srun", "--ntasks-per-node=1", f"--cpus-per-task={spec.cpus_per_task * spec.tasks_per_node}",
+                "--kill-on-bad-exit=1"]
+        lines += [
+            "# One task per node running torchrun; torchrun passes USR1 on to its ranks and waits for their save.",
+            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+            "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={slurm.signal_before}",
+            " ".join(map(q, srun)) + ' \\',
+            f'    "$python" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" '
+            f"--nproc-per-node={spec.tasks_per_node} \\",
+            '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" '
+            "--max-restarts=0 \\",
+            f"    {train} &",
+        ]
+    lines += [
+        "step=$!",
+        """trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1""",
+        "while :; do  # a trapped signal interrupts wait: wait again for the ranks to save and exit",
+        '    wait "$step"; rc=$?',
+        '    if [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi',
+        "    break",
+        "done",
+        'end_job "$rc"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Path) -> list[str]:
+    """`--key=value` (quoted) or `--flag` for each #SBATCH line; unset values are left out."""
+    slurm = config.slurm
+    per_node = 1 if slurm.launcher == "torchrun" else spec.tasks_per_node
+    options: dict[str, object] = {
+        "job-name": slurm.job_name or config.name,
+        "account": slurm.account,
+        "partition": spec.partition,
+        "qos": spec.qos,
+        "nodes": spec.nodes,
+        "ntasks-per-node": per_node,
+        "gpus-per-node": spec.gpus_per_node or None,
+        "cpus-per-task": spec.cpus_per_task * spec.tasks_per_node // per_node,
+        "time": slurm.time,
+        "output": slurm.output or str(run_dir / "slurm" / "%j.out"),
+        "open-mode": "append",  # a requeued job keeps its id and its log: append, do not overwrite
+        "chdir": str(workdir.resolve()),
+        "signal": f"B:USR1@{slurm.signal_before}",
+        "requeue": slurm.requeue == "requeue",
+        **spec.sbatch,
+    }
+    return [f"--{key}" if value is True else f"--{key}={shlex.quote(str(value))}"
+            for key, value in options.items() if value is not None and value is not False]

@@ -1,0 +1,64 @@
+#!/bin/bash
+# clustertrain job for run 'default', from configs/llama.yaml; preset frontier: OLCF Frontier (AMD MI250X, ROCm, Slingshot).
+# Submit with `clustertrain slurm submit CONFIG` (it records the job chain in the run directory),
+# or with `sbatch` on this file. Follow it with `clustertrain slurm status RUN_DIR`.
+#SBATCH --job-name=default
+#SBATCH --account=abc123
+#SBATCH --partition=batch
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=7
+#SBATCH --time=02:00:00
+#SBATCH --output=/scratch/runs/llama/slurm/%j.out
+#SBATCH --open-mode=append
+#SBATCH --chdir=/work/project
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+
+# Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from
+# here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.
+signalled=0
+trap 'signalled=1' USR1 TERM
+
+# Modules and environment: the preset's, then slurm.modules and slurm.env. Nodes run offline.
+module load PrgEnv-gnu rocm craype-accel-amd-gfx90a
+export HF_HUB_OFFLINE=1
+export HF_DATASETS_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export OMP_NUM_THREADS=7
+export CLUSTERTRAIN_CACHE="/lustre/orion/${SLURM_JOB_ACCOUNT}/scratch/${USER}/clustertrain"
+export HF_HOME="/lustre/orion/${SLURM_JOB_ACCOUNT}/scratch/${USER}/huggingface"
+export NCCL_SOCKET_IFNAME=hsn0
+export GLOO_SOCKET_IFNAME=hsn0
+export NCCL_CROSS_NIC=1
+export NCCL_NET_GDR_LEVEL=3
+export FI_CXI_ATS=0
+export FI_CXI_DISABLE_HOST_REGISTER=1
+export FI_MR_CACHE_MONITOR=userfaultfd
+export FI_CXI_DEFAULT_CQ_SIZE=131072
+export AWS_OFI_RCCL_DIR="/lustre/orion/${SLURM_JOB_ACCOUNT}/world-shared/aws-ofi-rccl"
+export LD_LIBRARY_PATH="${AWS_OFI_RCCL_DIR}/lib:${LD_LIBRARY_PATH}"
+export MIOPEN_USER_DB_PATH="/tmp/miopen-${USER}-${SLURM_JOB_ID}"
+export MIOPEN_CUSTOM_CACHE_DIR="/tmp/miopen-${USER}-${SLURM_JOB_ID}"
+srun --ntasks-per-node=1 mkdir -p "$MIOPEN_USER_DB_PATH"
+
+python=/opt/venv/bin/python
+run_dir=/scratch/runs/llama
+end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (an error): stop here
+    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop requeue --max-restarts 20
+}
+"$python" -m clustertrain slurm job-start "$run_dir" --max-restarts 20 || exit 1
+if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
+
+# One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.
+srun --ntasks-per-node=8 --cpus-per-task=7 --gpus-per-task=1 --gpu-bind=closest --kill-on-bad-exit=1 \
+    "$python" -m clustertrain train /work/project/configs/llama.yaml &
+step=$!
+trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1
+while :; do  # a trapped signal interrupts wait: wait again for the ranks to save and exit
+    wait "$step"; rc=$?
+    if [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi
+    break
+done
+end_job "$rc"

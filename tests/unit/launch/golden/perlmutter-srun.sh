@@ -1,0 +1,57 @@
+#!/bin/bash
+# clustertrain job for run 'default', from configs/llama.yaml; preset perlmutter: NERSC Perlmutter (NVIDIA A100, Slingshot).
+# Submit with `clustertrain slurm submit CONFIG` (it records the job chain in the run directory),
+# or with `sbatch` on this file. Follow it with `clustertrain slurm status RUN_DIR`.
+#SBATCH --job-name=default
+#SBATCH --account=abc123
+#SBATCH --qos=regular
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --time=02:00:00
+#SBATCH --output=/scratch/runs/llama/slurm/%j.out
+#SBATCH --open-mode=append
+#SBATCH --chdir=/work/project
+#SBATCH --signal=B:USR1@300
+#SBATCH --requeue
+#SBATCH --constraint=gpu
+
+# Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from
+# here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.
+signalled=0
+trap 'signalled=1' USR1 TERM
+
+# Modules and environment: the preset's, then slurm.modules and slurm.env. Nodes run offline.
+module load pytorch
+export HF_HUB_OFFLINE=1
+export HF_DATASETS_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export OMP_NUM_THREADS=32
+export CLUSTERTRAIN_CACHE="${SCRATCH}/clustertrain"
+export HF_HOME="${SCRATCH}/huggingface"
+export NCCL_SOCKET_IFNAME=hsn
+export GLOO_SOCKET_IFNAME=hsn0
+export NCCL_NET_GDR_LEVEL=PHB
+export FI_MR_CACHE_MONITOR=userfaultfd
+export FI_CXI_DISABLE_HOST_REGISTER=1
+
+python=/opt/venv/bin/python
+run_dir=/scratch/runs/llama
+end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (an error): stop here
+    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop requeue --max-restarts 20
+}
+"$python" -m clustertrain slurm job-start "$run_dir" --max-restarts 20 || exit 1
+if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
+
+# One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.
+srun --ntasks-per-node=4 --cpus-per-task=32 --gpu-bind=none --kill-on-bad-exit=1 \
+    "$python" -m clustertrain train /work/project/configs/llama.yaml &
+step=$!
+trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1
+while :; do  # a trapped signal interrupts wait: wait again for the ranks to save and exit
+    wait "$step"; rc=$?
+    if [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi
+    break
+done
+end_job "$rc"

@@ -1,0 +1,145 @@
+"""Rendered sbatch scripts (golden files per preset and launcher), quoting, presets, and the requeue decision."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from clustertrain.config.load import load_config
+from clustertrain.errors import ConfigError
+from clustertrain.launch.jobs import decide, job_start, read_chain, record
+from clustertrain.launch.presets import builtin_presets, load_preset
+from clustertrain.launch.slurm import job_spec, render_script, shell_value
+
+GOLDEN = Path(__file__).parent / "golden"
+FIXED = ["slurm.python=/opt/venv/bin/python", "train.run_dir=/scratch/runs/llama", "slurm.account=abc123",
+         "slurm.nodes=2", "slurm.time=02:00:00"]
+
+
+def render(*overrides: str, preset: str = "generic") -> str:
+    config = load_config(None, [f"slurm.preset={preset}", *FIXED, *overrides])
+    return render_script(config, ["/work/project/configs/llama.yaml"], Path("/work/project"), "configs/llama.yaml")
+
+
+@pytest.mark.parametrize("preset", ["frontier", "perlmutter", "generic"])
+@pytest.mark.parametrize("launcher", ["srun", "torchrun"])
+def test_rendered_script_matches_golden_file(preset, launcher):
+    script = render(f"slurm.launcher={launcher}", preset=preset)
+    golden = GOLDEN / f"{preset}-{launcher}.sh"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert script == golden.read_text(), f"re-run with UPDATE_GOLDEN=1 if the change to {golden.name} is intended"
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_every_builtin_preset_is_golden_tested():
+    assert builtin_presets() == ["frontier", "generic", "perlmutter"]
+    for name in builtin_presets():
+        assert load_preset(name).sources, f"preset {name} must say where its values come from"
+
+
+def test_frontier_preset_carries_network_rocm_and_offline_settings():
+    script = render(preset="frontier")
+    for line in ("export NCCL_SOCKET_IFNAME=hsn0", "export GLOO_SOCKET_IFNAME=hsn0", "export NCCL_CROSS_NIC=1",
+                 "export NCCL_NET_GDR_LEVEL=3", "export FI_CXI_ATS=0", "export HF_HUB_OFFLINE=1",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --signal=B:USR1@300"):
+        assert line in script.splitlines(), line
+    assert "MIOPEN_USER_DB_PATH=\"/tmp/" in script and "--gpus-per-task=1" in script
+
+
+WEIRD = "it's a \"test\"; $(touch pwned) `id` & | > < ${HOME} \\ * ?"
+
+
+def test_values_with_spaces_and_metacharacters_stay_literal(tmp_path):
+    config = load_config(None, [*FIXED, f"slurm.job_name={WEIRD}"])
+    config.slurm.env = {"WEIRD": WEIRD, "PLAIN": "a b", "REF": "${HOME}/x y"}
+    config.slurm.modules = ["cray-python/3.11 extra"]
+    config.slurm.sbatch = {"comment": WEIRD}
+    script = render_script(config, [str(tmp_path / "my config.yaml"), "--set=optim.lr=1e-3; rm -rf /"],
+                           tmp_path, "x")
+    exports = [line for line in script.splitlines() if line.startswith("export ")]
+    shown = subprocess.run(
+        ["bash", "-c", "\n".join(exports) + '\nprintf "%s\\n%s\\n%s" "$WEIRD" "$PLAIN" "$REF"'],
+        capture_output=True, text=True, cwd=tmp_path, env={"HOME": "/home/me", "PATH": os.environ["PATH"]},
+    )
+    # ${NAME} is the one form that expands, by design; everything else arrives as written
+    assert shown.stdout.split("\n") == [WEIRD.replace("${HOME}", "/home/me"), "a b", "/home/me/x y"]
+    assert not (tmp_path / "pwned").exists()
+    # the launch line passes each argument whole
+    assert "'--set=optim.lr=1e-3; rm -rf /'" in script and f"'{tmp_path}/my config.yaml'" in script
+    assert "module load 'cray-python/3.11 extra'" in script
+
+
+def test_shell_value_expands_only_braced_references():
+    assert shell_value("hsn0") == "hsn0"
+    assert shell_value("/lustre/${USER}/x") == '"/lustre/${USER}/x"'
+    assert shell_value("$USER $(id) ${HOME}") == "'$USER $(id) '\"${HOME}\""
+
+
+@pytest.mark.parametrize("override, message", [
+    ("slurm.env={HF_TOKEN: abc}", "looks like a secret"),
+    ("slurm.preset=summit", "no built-in preset 'summit'"),
+    ("slurm.preset=missing/preset.yaml", "does not exist"),
+    ("slurm.time=5", "signal_before = 300 s must be shorter"),
+    ("slurm.time=ten", "not a Slurm time"),
+    ("slurm.launcher=mpirun", "slurm.launcher"),
+    ("slurm.requeue=always", "slurm.requeue"),
+    ('slurm.job_name="a\\nb"', "one line"),
+])
+def test_bad_slurm_settings_are_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        config = load_config(None, [override])
+        job_spec(config.slurm)
+
+
+def test_a_users_preset_file(tmp_path):
+    (tmp_path / "mine.yaml").write_text(
+        "description: our lab cluster\nsources: [wiki]\ngpus_per_node: 4\ncpus_per_task: 16\npartition: gpu\n"
+        "modules: [cuda/12.4]\nenv: {NCCL_SOCKET_IFNAME: ib0}\nscratch: /scratch/${USER}\n"
+    )
+    config = load_config(None, [f"slurm.preset={tmp_path / 'mine.yaml'}", "slurm.env={NCCL_DEBUG: WARN}"])
+    spec = job_spec(config.slurm)
+    assert (spec.gpus_per_node, spec.tasks_per_node, spec.cpus_per_task, spec.partition) == (4, 4, 16, "gpu")
+    assert spec.env["NCCL_SOCKET_IFNAME"] == "ib0" and spec.env["NCCL_DEBUG"] == "WARN"
+    assert spec.env["HF_HOME"] == "/scratch/${USER}/huggingface"
+    (tmp_path / "bad.yaml").write_text("gpus_per_node: lots\n")
+    with pytest.raises(ConfigError, match="bad.yaml: gpus_per_node"):
+        load_preset(str(tmp_path / "bad.yaml"))
+
+
+def status(state, job="7", restart=0, **fields):
+    return {"state": state, "slurm_job_id": job, "slurm_restart": restart, "step": 40, **fields}
+
+
+@pytest.mark.parametrize("run_status, exit_code, signalled, restarts, on_stop, outcome", [
+    (status("finished"), 0, False, 0, "requeue", "finished"),
+    (status("preempted", reason="SIGUSR1"), 75, True, 0, "requeue", "requeue"),
+    (status("preempted", reason="SIGUSR1"), 1, True, 0, "requeue", "requeue"),  # torchrun reports 1
+    (status("preempted"), 75, False, 3, "requeue", "gave-up"),
+    (status("preempted"), 75, False, 0, "none", "stopped"),
+    (status("preempted"), 75, False, 0, "dependency", "requeue"),
+    (status("running"), 138, True, 0, "requeue", "requeue"),  # warned before the ranks listened
+    (status("failed", error="DataError: x"), 2, True, 0, "requeue", "failed"),
+    (status("failed", error="DataError: x"), 2, False, 0, "requeue", "failed"),
+    (status("running"), 1, False, 0, "requeue", "failed"),  # a crash
+    (status("preempted", job="6"), 1, False, 0, "requeue", "failed"),  # an older job's status
+    (status("finished", restart=1), 1, False, 0, "requeue", "failed"),  # the previous attempt's
+    (None, 137, False, 0, "requeue", "failed"),
+])
+def test_requeue_decision(run_status, exit_code, signalled, restarts, on_stop, outcome):
+    assert decide(run_status, exit_code, signalled, "7", 0, restarts, 3, on_stop).outcome == outcome
+
+
+def test_job_start_counts_restarts_of_the_submission_and_stops_a_loop(tmp_path, capsys):
+    record(tmp_path, "submitted", job_id="7")
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
+    assert job_start(tmp_path, max_restarts=1, env=env) == 0
+    assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_RESTART_COUNT": "1"}) == 0
+    assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_RESTART_COUNT": "2"}) == 1
+    assert "restarted 2 times (slurm.max_restarts = 1)" in capsys.readouterr().out
+    assert [e["event"] for e in read_chain(tmp_path)] == ["submitted", "started", "started", "started", "ended"]
+    record(tmp_path, "submitted", job_id="9")  # a new submission starts counting again
+    assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_JOB_ID": "9"}) == 0
