@@ -102,7 +102,7 @@ def run_status(args: argparse.Namespace) -> int:
     if not chain and not (run_dir / "status.json").exists():
         raise LaunchError(f"{run_dir} has no Slurm job chain ({run_dir / jobs.CHAIN}) and no status.json; "
                           "is it a run directory?")
-    console = Console(highlight=False)
+    console = Console(highlight=False, soft_wrap=True)  # paths stay whole, for copy and paste
     table = Table("job", "restart", "state", "started", "ended", "exit", "nodes", box=None)
     live = jobs.job_states(jobs.job_ids(chain))
     for job_id in jobs.job_ids(chain):

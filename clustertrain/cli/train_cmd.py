@@ -40,8 +40,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = Trainer(config).run()
     except Preempted as stop:
-        if is_rank0():
-            print(str(stop), file=sys.stderr, flush=True)
+        if not is_rank0():
+            # Only rank 0 reports 75: the checkpoint is committed, and a non-zero exit of another rank would
+            # make `srun --kill-on-bad-exit` cut rank 0 short while it closes its files.
+            return 0
+        print(str(stop), file=sys.stderr, flush=True)
         return stop.exit_code
     if is_rank0():
         print_summary(summary)

@@ -5,6 +5,7 @@ Pretraining and (later) fine-tuning differ only by config; this file never branc
 
 from __future__ import annotations
 
+import gc
 import math
 import resource
 from collections import Counter
@@ -199,7 +200,8 @@ class Trainer:
                     self.save(wait=True)
                 self._commit(self.checkpoints.finalize())
                 self._status("preempted", reason=reason)
-                dist.barrier()  # no rank exits before the status is written (srun --kill-on-bad-exit)
+                self.logger.close()
+                dist.barrier()  # no rank exits before rank 0 has written everything (srun --kill-on-bad-exit)
                 raise Preempted(reason, self.step, self.summary.checkpoint)
 
     def _next_batch(self, loader: StreamLoader) -> dict[str, torch.Tensor]:
@@ -342,10 +344,16 @@ class Trainer:
         return self.tokenizer.decode(out[0], skip_special_tokens=True)
 
     def close(self) -> None:
+        """Release signal handlers, metrics files, the model and the process groups, in that order."""
         if getattr(self, "stop", None):
             self.stop.close()
         if getattr(self, "logger", None):
             self.logger.close()
+        # The model goes before the process groups: DDP's reducer must not drop the last reference to a gloo
+        # group, whose destructor then joins gloo's threads while holding the GIL they wait for (a hang at exit).
+        self.__dict__.pop("model", None)
+        self.__dict__.pop("optimizer", None)
+        gc.collect()
         close_distributed()
 
     def _announce(self, resumed: Path | None) -> None:

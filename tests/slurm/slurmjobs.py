@@ -1,0 +1,63 @@
+"""Submit clustertrain runs to the real local Slurm (scripts/slurm/setup_local_slurm.sh) and wait on them."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+from helpers import TINY, require, run_cli
+
+from clustertrain.launch.jobs import read_chain
+from clustertrain.train.metrics import read_jsonl
+
+# Long enough (tens of seconds) for Slurm's warning to land mid-run; logs rarely, to keep steps cheap.
+LONG = (*TINY, "metrics.log_every=50", "checkpoint.every=100")
+
+
+def require_slurm() -> None:
+    require("sbatch", ["sinfo", "-h"])
+
+
+def submit(run_dir: Path, *overrides: str) -> str:
+    """`clustertrain slurm submit` of the tiny model with 2 CPU ranks on one node; returns the job id."""
+    settings = (*LONG, "slurm.tasks_per_node=2", "slurm.time=00:10:00", "slurm.signal_before=60", *overrides,
+                f"train.run_dir={run_dir}")
+    result = run_cli("slurm", "submit", *[f"--set={o}" for o in settings])
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()[2]
+
+
+def log(run_dir: Path) -> str:
+    """Every job log of the run, in job order."""
+    return "".join(p.read_text() for p in sorted((run_dir / "slurm").glob("*.out"), key=lambda p: int(p.stem)))
+
+
+def outcomes(run_dir: Path) -> list[str]:
+    return [e["outcome"] for e in read_chain(run_dir) if e["event"] == "ended"]
+
+
+def last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
+
+
+def wait_for(condition, run_dir: Path, what: str, timeout: float = 400) -> None:
+    """Poll `condition()` until it holds; on timeout, fail with the chain, the logs and the queue."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            queue = subprocess.run(["squeue"], capture_output=True, text=True).stdout
+            raise AssertionError(f"timed out waiting for {what}\nchain: {read_chain(run_dir)}\nqueue:\n{queue}\n"
+                                 f"log:\n{log(run_dir)[-4000:]}")
+        time.sleep(1)
+
+
+def wait_until_done(run_dir: Path, timeout: float = 400) -> list[str]:
+    """Wait until the run's last job has ended for good (not requeued or resubmitted); returns the outcomes."""
+    wait_for(lambda: outcomes(run_dir)[-1:] not in ([], ["requeued"], ["resubmitted"]), run_dir, "the end", timeout)
+    return outcomes(run_dir)
+
+
+def scancel(*args: str) -> None:
+    subprocess.run(["scancel", *args], check=True)
