@@ -88,7 +88,7 @@ def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Cal
         write_extras(tmp)
         _write_json(tmp / TRAIN_STATE, train_state)
         if final.exists():
-            shutil.rmtree(final)
+            discard(final)
         os.replace(tmp, final)
         _fsync_dir(root)  # the rename itself survives a node crash
     dist.barrier()
@@ -102,8 +102,15 @@ def prune(root: Path, keep_last: int | None, keep_every: int | None, final_step:
     keep |= {p for p in found if _step(p) == final_step or (keep_every and _step(p) % keep_every == 0)}
     removed = [p for p in found if p not in keep]
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        discard(path)
     return removed
+
+
+def discard(path: Path) -> None:
+    """Delete a checkpoint folder so that it is never seen half-deleted: rename it out of sight, then delete."""
+    hidden = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.replace(path, hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -170,9 +177,9 @@ def move_aside(run_dir: Path) -> Path:
 
 
 def remove_incomplete(root: Path) -> None:
-    """Delete the leftovers of interrupted saves (rank 0 only)."""
+    """Delete the leftovers of interrupted saves and deletions (rank 0 only)."""
     if root.is_dir():
-        for p in root.glob(".tmp-step-*"):
+        for p in [*root.glob(".tmp-step-*"), *root.glob(".trash-step-*")]:
             shutil.rmtree(p, ignore_errors=True)
 
 

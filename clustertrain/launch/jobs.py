@@ -112,6 +112,9 @@ def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_i
     state = status.get("state") if mine else None
     if state == "finished":
         return Decision("finished", f"the run finished at step {status.get('step')}")
+    if state == "stopped" and exit_code == 0:
+        return Decision("stopped", f"stopped at step {status.get('step')} as train.stop_after_steps asks; "
+                                   "not requeued")
     if state == "preempted" or exit_code == REQUEUE_EXIT_CODE or (signalled and state != "failed"):
         why = (f"stopped by {status.get('reason')} at step {status.get('step')}" if state == "preempted"
                else "stopped by Slurm's warning signal")
@@ -137,7 +140,9 @@ def job_end(run_dir: Path, exit_code: int, signalled: bool, on_stop: str, max_re
     fields = dict(job_id=job, restart=restart, exit_code=exit_code, signalled=signalled)
     if decision.outcome != "requeue":
         record(run_dir, "ended", **fields, outcome=decision.outcome)
-        return 0 if decision.outcome == "finished" else (exit_code or 1)
+        if decision.outcome == "finished":
+            return 0
+        return exit_code if decision.outcome == "stopped" else (exit_code or 1)
     if on_stop == "requeue":
         # Recorded first: `scontrol requeue` sends this very process SIGTERM.
         record(run_dir, "ended", **fields, outcome="requeued")

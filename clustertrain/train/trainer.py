@@ -5,6 +5,7 @@ Pretraining and (later) fine-tuning differ only by config; this file never branc
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import resource
@@ -148,7 +149,8 @@ class Trainer:
             raise
         except Exception as e:
             if self.info.rank == 0:
-                write_status(self.run_dir, "failed", step=self.step, error=f"{type(e).__name__}: {e}")
+                with contextlib.suppress(OSError):  # the error that matters is `e`
+                    write_status(self.run_dir, "failed", step=self.step, error=f"{type(e).__name__}: {e}")
             raise
         finally:
             self.close()

@@ -13,7 +13,7 @@ from slurmjobs import LONG, log, require_slurm, scancel, submit, wait_for, wait_
 from clustertrain.launch.jobs import read_chain
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
-STEPS = 4000  # about 80 s of training on 2 idle cores: longer than the 60 s warning of a 2-minute job
+STEPS = 3000  # about 60 s of training on 2 idle cores: longer than the 30-60 s warning of a 2-minute job
 
 
 @pytest.fixture(scope="module")

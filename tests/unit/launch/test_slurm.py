@@ -128,6 +128,7 @@ def status(state, job="7", restart=0, **fields):
     (status("preempted", job="6"), 1, False, 0, "requeue", "failed"),  # an older job's status
     (status("finished", restart=1), 1, False, 0, "requeue", "failed"),  # the previous attempt's
     (None, 137, False, 0, "requeue", "failed"),
+    (status("stopped"), 0, False, 0, "requeue", "stopped"),  # train.stop_after_steps: done as asked
 ])
 def test_requeue_decision(run_status, exit_code, signalled, restarts, on_stop, outcome):
     assert decide(run_status, exit_code, signalled, "7", 0, restarts, 3, on_stop).outcome == outcome
