@@ -67,10 +67,12 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
     tokenizer = None
     if (path / "tokenizer").is_dir():
         tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
-    # An imported model pins its vocab_size, which may be below data.vocab_size's floor.
-    vocab_size = config.model.config.get("vocab_size", config.data.vocab_size)
-    hf_config = build_hf_config(config.model, tokenizer, vocab_size)
-    model = build_meta_model(config.model, hf_config)
+    if config.model.pretrained:  # the snapshot's HF config, saved with the checkpoint: no snapshot needed
+        hf_config = AutoConfig.from_pretrained(path / "model", local_files_only=True)
+    else:  # An imported model pins its vocab_size, which may be below data.vocab_size's floor.
+        vocab_size = config.model.config.get("vocab_size", config.data.vocab_size)
+        hf_config = build_hf_config(config.model, tokenizer, vocab_size)
+    model = build_meta_model(config.model, hf_config, config.lora)
     init_weights(model, torch.device("cpu"), seed=0)  # also fills non-persistent buffers (rotary tables)
     state = {"model": get_model_state_dict(model)}
     _check_fits(path, state["model"])
@@ -81,20 +83,36 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
     return model.eval(), tokenizer, config
 
 
-def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | int = "2GB") -> Path:
-    """Write a checkpoint as a Hugging Face model directory: config, safetensors, generation config, tokenizer.
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | int = "2GB",
+              merge: bool = False) -> Path:
+    """Write a checkpoint as a Hugging Face directory, with its tokenizer.
+
+    A full model gives config, safetensors and generation config. A LoRA run gives its adapter in peft's
+    format (`adapter_config.json`, `adapter_model.safetensors`), or with `merge` the full model with the
+    adapter merged into the base weights.
 
     Returns:
-        `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained(out_dir)`.
+        `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained(out_dir)` (full or merged) or
+        `peft.PeftModel.from_pretrained(base_model, out_dir)` (adapter).
     """
+    from clustertrain.lora import is_lora
+
     out_dir = Path(out_dir)
     _refuse_non_empty(out_dir)
-    model, tokenizer, _ = load_checkpoint_model(ckpt_dir)
+    model, tokenizer, config = load_checkpoint_model(ckpt_dir)
+    adapter = is_lora(model) and not merge
+    if adapter:  # peft records where the base model is, for PeftModel / AutoPeftModel loading
+        model.peft_config["default"].base_model_name_or_path = config.model.path or config.model.hub_id
+    elif is_lora(model):
+        model = model.merge_and_unload()
 
     def write(folder: Path) -> None:
-        model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
-        if not (folder / "generation_config.json").exists():
-            model.generation_config.save_pretrained(folder)
+        if adapter:
+            model.save_pretrained(folder, safe_serialization=True)
+        else:
+            model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
+            if not (folder / "generation_config.json").exists():
+                model.generation_config.save_pretrained(folder)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 

@@ -22,13 +22,15 @@ from clustertrain.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import config_cmd, data_cmd, export_cmd, slurm_cmd, tokenizer_cmd, train_cmd
+    from clustertrain.cli import (config_cmd, data_cmd, download_cmd, eval_cmd, export_cmd, generate_cmd, slurm_cmd,
+                                  tokenizer_cmd, train_cmd)
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd, slurm_cmd):
+    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd, generate_cmd, eval_cmd, download_cmd,
+                   slurm_cmd):
         module.add_parser(commands)
     return parser
 

@@ -2,6 +2,8 @@
 
     clustertrain export runs/tiny-llama/checkpoints/step-0000300 exports/tiny-llama
     clustertrain export runs/tiny-llama exports/tiny-llama --max-shard-size 500MB   # newest checkpoint
+    clustertrain export runs/lora-sft exports/adapter              # a LoRA run: peft adapter files
+    clustertrain export runs/lora-sft exports/merged --merge       # ... or the full model, adapter merged
     clustertrain import exports/tiny-llama runs/imported/checkpoints/step-0000000
 """
 
@@ -19,6 +21,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export.add_argument("checkpoint", help="a step-NNNNNNN checkpoint folder, or a run directory (its newest one)")
     export.add_argument("outdir", help="new or empty directory for config.json, safetensors and tokenizer")
     export.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default 2GB)")
+    export.add_argument("--merge", action="store_true",
+                        help="LoRA runs: write the full model with the adapter merged in (default: the adapter only)")
     export.set_defaults(run=run_export)
 
     imp = commands.add_parser(
@@ -36,11 +40,15 @@ def run_export(args: argparse.Namespace) -> int:
     from clustertrain.checkpoint.export import export_hf
 
     logging.disable_progress_bar()
-    out = export_hf(args.checkpoint, args.outdir, max_shard_size=args.max_shard_size)
+    out = export_hf(args.checkpoint, args.outdir, max_shard_size=args.max_shard_size, merge=args.merge)
     files = len(list(out.glob("*.safetensors")))
     tokenizer = "tokenizer" if (out / "tokenizer_config.json").exists() else "no tokenizer"
-    print(f"wrote {out} ({files} safetensors file{'s' * (files != 1)}, {tokenizer}); "
-          f'load it with AutoModelForCausalLM.from_pretrained("{out}")')
+    if (out / "adapter_config.json").exists():
+        print(f"wrote the LoRA adapter to {out} ({tokenizer}); load it with "
+              f'peft.PeftModel.from_pretrained(base_model, "{out}"), or export with --merge for a full model')
+    else:
+        print(f"wrote {out} ({files} safetensors file{'s' * (files != 1)}, {tokenizer}); "
+              f'load it with AutoModelForCausalLM.from_pretrained("{out}")')
     return 0
 
 

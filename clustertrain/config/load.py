@@ -41,6 +41,8 @@ def _keep_default_model_fields(raw: dict[str, Any], keys: list[str]) -> None:
     model = raw.get("model", {})
     if not isinstance(model, dict) or "config" in model or not any(k.startswith("model.config.") for k in keys):
         return
+    if model.get("path") or model.get("hub_id") or {"model.path", "model.hub_id"} & set(keys):
+        return  # a snapshot's config is the base; the keys set are the only overrides
     defaults = ModelConfig()
     if model.get("arch", defaults.arch) == defaults.arch:
         raw.setdefault("model", {})["config"] = dict(defaults.config)

@@ -33,6 +33,39 @@ class ModelConfig(Section):
         description="HF config fields for `arch`, e.g. hidden_size; vocab_size comes from the tokenizer.",
     )
     attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    path: str | None = Field(
+        None, description="A local HF model directory (config.json, safetensors or .bin weights, tokenizer) to "
+        "fine-tune. Its config replaces model.arch and model.config; model.config keys you set override it."
+    )
+    hub_id: str | None = Field(
+        None, description="A Hugging Face model id, found in the local HF cache with no network (fetch it first "
+        "with `clustertrain download`)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelConfig:
+        if self.path and self.hub_id:
+            raise ValueError("give model.path or model.hub_id, not both")
+        return self
+
+    @property
+    def pretrained(self) -> bool:
+        """Whether weights come from a snapshot rather than a fresh initialization."""
+        return bool(self.path or self.hub_id)
+
+
+class LoraConfig(Section):
+    rank: int = Field(0, ge=0, description="LoRA rank r; 0 trains every weight (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear "
+        "layer except the output head."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 SOURCE_FORMATS = ("auto", "text", "jsonl", "json", "parquet", "arrow", "hf_disk", "hf", "tokens", "stdlib")
@@ -295,6 +328,7 @@ def parse_duration(value: str | float | None) -> float | None:
 class RunConfig(Section):
     name: str = Field("default", description="Run name; the config file's stem unless set.")
     model: ModelConfig = Field(default_factory=ModelConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)

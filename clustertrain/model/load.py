@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from clustertrain.config.schema import ModelConfig
+from clustertrain.config.schema import LoraConfig, ModelConfig
 from clustertrain.errors import ConfigError
+
+
+def snapshot_dir(model: ModelConfig) -> Path | None:
+    """The local HF model directory to fine-tune (`model.path`, or `model.hub_id` in the HF cache), or None."""
+    if model.hub_id:
+        from clustertrain.model.download import resolve_hub_id
+
+        return resolve_hub_id(model.hub_id)
+    if not model.path:
+        return None
+    path = Path(model.path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: {path} is not a Hugging Face model directory (no config.json)")
+    return path
 
 
 def build_hf_config(
     model: ModelConfig, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
 ) -> PretrainedConfig:
-    """The HF config of `model.arch` with the user's fields, sized to the tokenizer's vocabulary (or `vocab_size`)."""
+    """The HF config of `model.arch` with the user's fields, sized to the tokenizer's vocabulary (or `vocab_size`).
+
+    For a snapshot (`model.path`, `model.hub_id`) it is the snapshot's config, with any model.config keys the
+    user set on top.
+    """
+    snapshot = snapshot_dir(model)
+    if snapshot is not None:
+        overrides = model.config if "config" in model.model_fields_set else {}
+        config = AutoConfig.from_pretrained(snapshot, local_files_only=True, **overrides)
+        if tokenizer is not None and len(tokenizer) > config.vocab_size:
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but {snapshot} only {config.vocab_size}")
+        return config
     fields = dict(model.config)
     needed = len(tokenizer) if tokenizer is not None else vocab_size
     fields.setdefault("vocab_size", needed)
@@ -28,12 +56,17 @@ def build_hf_config(
         raise ConfigError(f"model.config: {model.arch} rejects these fields: {e}") from None
 
 
-def build_meta_model(model: ModelConfig, hf_config: PretrainedConfig) -> PreTrainedModel:
-    """The model with every parameter on the meta device: no memory is allocated until it is materialized."""
+def build_meta_model(model: ModelConfig, hf_config: PretrainedConfig, lora: LoraConfig | None = None) -> nn.Module:
+    """The model with every parameter on the meta device (no memory until it is materialized), LoRA-wrapped if asked."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
+        built = AutoModelForCausalLM.from_config(
             hf_config, attn_implementation=model.attn_implementation, dtype=torch.float32
         )
+    if lora is not None and lora.enabled:
+        from clustertrain.lora import apply_lora
+
+        return apply_lora(built, lora)
+    return built
 
 
 def block_classes(model: PreTrainedModel) -> tuple[type[torch.nn.Module], ...]:

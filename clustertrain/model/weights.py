@@ -3,21 +3,29 @@
 Each module is initialized by the model's own HF `_init_weights`, seeded by the module's name, on
 full-size temporaries; a sharded (DTensor) parameter then keeps only its local slice. The initial
 weights are therefore identical under 1 rank, DDP and any FSDP layout, and no rank ever holds more than
-one module's full parameters at once.
+one module's full parameters at once. A snapshot's weights (safetensors or .bin) then overwrite them,
+each rank reading only the slices it owns.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import zlib
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
+
+from clustertrain.errors import ConfigError
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 @torch.no_grad()
@@ -42,3 +50,88 @@ def _init_module(model: PreTrainedModel, module: nn.Module, device: torch.device
         local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
         p.to_local().copy_(local)
         module._parameters[n] = p
+
+
+def materialize(model: nn.Module, device: torch.device, seed: int, snapshot: Path | None) -> None:
+    """Initialize `model` (seeded, layout-independent), then load the snapshot's weights and zero LoRA's B."""
+    init_weights(model, device, seed)
+    if snapshot is not None:
+        load_pretrained(model, snapshot)
+    from clustertrain.lora import is_lora, start_as_identity
+
+    if is_lora(model):
+        start_as_identity(model)
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, snapshot: Path) -> None:
+    """Copy a HF snapshot's weights into `model`'s parameters and buffers, sharded or not.
+
+    A DTensor parameter reads only its local slice from the file (safetensors reads lazily), so no rank
+    ever holds the full model. Tied weights and LoRA adapters are not in the file and keep their values.
+    """
+    from clustertrain.lora import hf_name, is_lora
+
+    hf_model = model.get_base_model() if is_lora(model) else model
+    prefix = hf_model.base_model_prefix
+    keys = {key: path for path in _weight_files(snapshot) for key in _keys(path)}
+    missing = []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        key = hf_name(name)
+        if ".lora_" in name:
+            continue
+        if key not in keys and prefix and key.startswith(prefix + "."):
+            key = key[len(prefix) + 1:]  # base-model checkpoints (e.g. GPT-2's) leave out the prefix
+        if key not in keys:
+            if isinstance(tensor, nn.Parameter):
+                missing.append(key)
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        index = tuple(slice(o, o + n) for n, o in zip(*_local_box(tensor)))
+        local.copy_(_read(keys[key], key, index))
+    if getattr(hf_model.config, "tie_word_embeddings", False):  # the head is the embedding, tied below
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise ConfigError(f"{snapshot}: no weights for {len(missing)} parameters of this architecture, e.g. "
+                          f"{', '.join(missing[:3])}; is model.path the model its config.json describes?")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def _local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(local shape, global offset) of this rank's piece of `tensor`."""
+    if isinstance(tensor, DTensor):
+        return compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    return tuple(tensor.shape), (0,) * tensor.ndim
+
+
+def _weight_files(snapshot: Path) -> list[Path]:
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = snapshot / index_name
+        if index.is_file():
+            return sorted({snapshot / f for f in json.loads(index.read_text())["weight_map"].values()})
+        if (snapshot / single).is_file():
+            return [snapshot / single]
+    raise ConfigError(f"{snapshot}: no model.safetensors or pytorch_model.bin (nor their sharded index)")
+
+
+def _keys(path: Path) -> list[str]:
+    if path.suffix == ".safetensors":
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    return list(_bin(path))
+
+
+def _read(path: Path, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+    if path.suffix == ".safetensors":
+        with safe_open(path, framework="pt") as f:
+            piece = f.get_slice(key)
+            return piece[index] if index else f.get_tensor(key)
+    return _bin(path)[key][index]
+
+
+@functools.lru_cache(maxsize=2)
+def _bin(path: Path) -> dict[str, torch.Tensor]:
+    """A .bin checkpoint, memory-mapped (no copy in RAM) and without unpickling code."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)

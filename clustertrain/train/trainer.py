@@ -31,8 +31,8 @@ from clustertrain.dist.init import close_distributed, init_distributed, rank0_fi
 from clustertrain.dist.mesh import build_mesh
 from clustertrain.errors import CheckpointError, ConfigError
 from clustertrain.model.estimate import count_params, model_flops_per_token, peak_flops
-from clustertrain.model.load import block_classes, build_hf_config, build_meta_model
-from clustertrain.model.weights import init_weights
+from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
+from clustertrain.model.weights import materialize
 from clustertrain.parallel.apply import DTYPES, autocast_dtype, parallelize, unwrap
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
@@ -76,6 +76,9 @@ class Trainer:
         torch.manual_seed(cfg.train.seed + dist.get_rank())
         self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
 
+        self.snapshot = snapshot_dir(cfg.model)
+        if self.snapshot is not None and not cfg.data.tokenizer:
+            cfg.data.tokenizer = str(self.snapshot)  # fine-tuning: the model's own tokenizer
         self.tokenizer = rank0_first(lambda: load_tokenizer(cfg.data))
         self.data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
         self.plan = rank0_first(lambda: DataPlan(
@@ -86,14 +89,18 @@ class Trainer:
         self.audit = AuditLog(self.run_dir / "samples.jsonl", self.plan.labels) if cfg.data.audit else None
         self.mixture: Counter = Counter()
 
-        hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
-        meta = build_meta_model(cfg.model, hf_config)
+        self.hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
+        meta = build_meta_model(cfg.model, self.hf_config, cfg.lora)
         self.params = count_params(meta)
         self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
         self.model = parallelize(
             meta, cfg.parallel, self.mesh, self.device, block_classes(meta),
-            materialize=lambda m: init_weights(m, self.device, cfg.train.seed),
+            materialize=lambda m: materialize(m, self.device, cfg.train.seed, self.snapshot),
         )
+        # The largest rank's peak memory once the weights are in place: what loading the model cost.
+        peak = torch.tensor([memory_gb(self.device)], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        self.load_mem_gb = peak.item()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.total_steps = total_steps(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -169,6 +176,7 @@ class Trainer:
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
         self._status("running")
+        self.logger.log(self.step, {"load_mem_gb": self.load_mem_gb})
         self.saved_step = self.step if resumed else None
         self.stop_step = self.total_steps
         if cfg.train.stop_after_steps:
@@ -306,6 +314,8 @@ class Trainer:
 
         def write_extras(folder: Path) -> None:
             (folder / "config.yaml").write_text(dump_config(self.config))
+            if self.snapshot is not None:  # the checkpoint stands alone, without the snapshot
+                self.hf_config.save_pretrained(folder / "model")
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(folder / "tokenizer")
 

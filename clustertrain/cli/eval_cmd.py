@@ -1,0 +1,86 @@
+"""`clustertrain eval SOURCE --data TEST.jsonl`: exact-match accuracy of greedy completions.
+
+    clustertrain eval --make-task data/reverse                          # a synthetic task: train.jsonl, test.jsonl
+    clustertrain train --set data.mode=sft --set 'data.sources=[{path: data/reverse/train.jsonl}]'
+    clustertrain eval runs/default --data data/reverse/test.jsonl       # newest checkpoint
+    clustertrain eval exports/tiny-llama --data data/reverse/test.jsonl --limit 50 --json
+
+Each record is {"prompt": ..., "completion": ...}; an answer counts when it equals the completion after
+stripping whitespace. Tasks (--kind): reverse (a b c = -> c b a), upper (a b = -> A B), add (1 2 + 3 4 = -> 4 6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from clustertrain.data.synthetic import KINDS
+
+    parser = commands.add_parser(
+        "eval", help="exact-match accuracy on prompt/completion JSONL; --make-task writes a synthetic task",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", nargs="?",
+                        help="a step-NNNNNNN checkpoint, a run directory, or a Hugging Face model directory")
+    parser.add_argument("--data", help="JSONL of {prompt, completion} records to score")
+    parser.add_argument("--max-tokens", type=int, help="most tokens per answer (default: longest completion + 1)")
+    parser.add_argument("--limit", type=int, help="score only the first N records")
+    parser.add_argument("--batch-size", type=int, default=64, help="prompts per forward pass (default 64)")
+    parser.add_argument("--show", type=int, default=5, help="examples to print (default 5; --json prints all)")
+    parser.add_argument("--json", action="store_true", help="print the result and every example as JSON")
+    task = parser.add_argument_group("synthetic task (instead of scoring)")
+    task.add_argument("--make-task", metavar="OUT_DIR", help="write OUT_DIR/train.jsonl and OUT_DIR/test.jsonl")
+    task.add_argument("--kind", choices=sorted(KINDS), default="reverse", help="the task (default reverse)")
+    task.add_argument("--train", type=int, default=5000, help="training records (default 5000)")
+    task.add_argument("--test", type=int, default=200, help="test records, none seen in training (default 200)")
+    task.add_argument("--seed", type=int, default=0, help="the same seed writes the same files (default 0)")
+    parser.set_defaults(run=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from clustertrain.errors import UserError
+
+    if args.make_task:
+        if args.source or args.data:
+            raise UserError("--make-task writes a task; give it without SOURCE and --data")
+        return make_task(args)
+    if not args.source or not args.data:
+        raise UserError("give SOURCE and --data TEST.jsonl (or --make-task OUT_DIR to write a task)")
+    for flag in ("max_tokens", "limit", "batch_size"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+
+    from clustertrain.cli.generate_cmd import quiet_transformers
+    from clustertrain.data.synthetic import read_task
+    from clustertrain.model.inference import exact_match, load_for_inference, resolve_source
+
+    source = resolve_source(args.source)
+    records = read_task(args.data)[: args.limit]
+    quiet_transformers()
+    model, tokenizer = load_for_inference(source)
+    result = exact_match(model, tokenizer, records, max_new_tokens=args.max_tokens, batch_size=args.batch_size)
+    result = {"source": str(source), "data": args.data, **result}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    print(f"exact match {result['accuracy']:.1%} ({result['correct']}/{result['n']}) on {args.data} by {source}")
+    for e in result["examples"][: args.show]:
+        mark = "ok  " if e["correct"] else "miss"
+        expected = "" if e["correct"] else f"  (expected {e['expected']!r})"
+        print(f"  {mark} {e['prompt']!r} -> {e['answer']!r}{expected}")
+    return 0
+
+
+def make_task(args: argparse.Namespace) -> int:
+    from clustertrain.data.synthetic import write_task
+    from clustertrain.errors import UserError
+
+    if args.train < 1 or args.test < 1:
+        raise UserError("--train and --test must be at least 1")
+    train, test = write_task(args.make_task, n_train=args.train, n_test=args.test, seed=args.seed, kind=args.kind)
+    print(f"wrote {train} ({args.train} records) and {test} ({args.test}); train with\n"
+          f"  clustertrain train --set data.mode=sft --set 'data.sources=[{{path: {train}}}]'")
+    return 0

@@ -1,0 +1,45 @@
+"""LoRA through peft: wrap the meta model before sharding, start the adapters as the identity, merge on export."""
+
+from __future__ import annotations
+
+import re
+
+import peft
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from clustertrain.config.schema import LoraConfig
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch < 2.5
+    from torch.distributed._tensor import DTensor
+
+_WRAPPING = re.compile(r"^base_model\.model\.|\.base_layer(?=\.)|\.lora_[AB]\.default")
+
+
+def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> peft.PeftModel:
+    """Add LoRA adapters to `model` (on any device, meta included) and freeze everything else."""
+    config = peft.LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return peft.get_peft_model(model, config)
+
+
+def is_lora(model: nn.Module) -> bool:
+    return isinstance(model, peft.PeftModel)
+
+
+def hf_name(name: str) -> str:
+    """The plain HF parameter name behind a peft-wrapped one (`...q_proj.base_layer.weight` -> `...q_proj.weight`)."""
+    return _WRAPPING.sub("", name)
+
+
+@torch.no_grad()
+def start_as_identity(model: nn.Module) -> None:
+    """Zero every lora_B, so the adapted model computes exactly what the base model does (LoRA's init)."""
+    for name, param in model.named_parameters():
+        if ".lora_B." in name:
+            (param.to_local() if isinstance(param, DTensor) else param).zero_()

@@ -1,0 +1,235 @@
+"""Stage Hugging Face models and datasets in the local HF cache, and find them there again with no network.
+
+A download counts as complete once its manifest exists: each file's size and sha256, written to
+`<repo folder>/clustertrain-manifests/<commit>.json` after every file was checked against the hash the hub
+named its blob by (sha256 for LFS files, git sha1 for the rest). Later calls compare sizes; `verify` re-hashes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from clustertrain.errors import DataError
+
+Fetch = Callable[[str, str, "str | None", Path, bool], Path]  # (repo_id, repo_type, revision, cache, force) -> snapshot
+MANIFESTS = "clustertrain-manifests"
+_SHA256, _GIT_SHA1 = re.compile(r"[0-9a-f]{64}"), re.compile(r"[0-9a-f]{40}")
+
+
+@dataclass(frozen=True)
+class Download:
+    """What `download` left in the cache; `reason` says why it fetched, or "already complete"."""
+
+    cache_dir: Path
+    snapshot: Path
+    files: int
+    size_bytes: int
+    fetched: bool
+    reason: str
+    verified: bool
+
+
+def hub_cache(cache_dir: str | Path | None = None) -> Path:
+    """`cache_dir`, else the HF hub cache: $HF_HUB_CACHE, else $HF_HOME/hub."""
+    from huggingface_hub import constants
+
+    return Path(cache_dir or constants.HF_HUB_CACHE).expanduser()
+
+
+def download(
+    repo_id: str, *, repo_type: str = "model", revision: str | None = None, cache_dir: str | Path | None = None,
+    force: bool = False, verify: bool = False, fetch: Fetch | None = None,
+) -> Download:
+    """Fetch `repo_id` into the HF cache unless a complete copy is there; `verify` re-hashes a cached copy.
+
+    `fetch` defaults to the hub (`hub_fetch`); `local_fetch(DIR)` copies a directory instead.
+    Raises DataError naming each missing or corrupt file.
+    """
+    cache = hub_cache(cache_dir)
+    snapshot = cached_snapshot(repo_id, repo_type, revision, cache)
+    manifest = read_manifest(snapshot) if snapshot else None
+    problems = file_problems(snapshot, manifest) if snapshot and manifest else {}
+    reason = ("--force" if force else "not in the cache" if snapshot is None
+              else "no manifest (an interrupted download, or one by another tool)" if manifest is None
+              else f"incomplete: {_listed(problems)}" if problems else "")
+    if reason:
+        for name in problems:  # drop the file and its blob, so that a fetch without --force replaces them
+            path = snapshot / name
+            if path.is_symlink():
+                Path(os.path.realpath(path)).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        snapshot = (fetch or hub_fetch)(repo_id, repo_type, revision, cache, force)
+        manifest = write_manifest(snapshot)  # hashes every file: a fresh download is verified here
+    elif verify and (problems := file_problems(snapshot, manifest, rehash=True)):
+        command = download_command(repo_id, repo_type, revision)
+        raise DataError(f"{repo_id} in {snapshot}: {_listed(problems)}; fetch it again with: {command} --force")
+    size = sum(entry["size"] for entry in manifest.values())
+    fetched = bool(reason)
+    return Download(cache, snapshot, len(manifest), size, fetched, reason or "already complete", verify or fetched)
+
+
+def resolve_hub_id(hub_id: str, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:
+    """The local snapshot directory of model `hub_id` in the HF cache, found with no network."""
+    cache = hub_cache(cache_dir)
+    snapshot = cached_snapshot(hub_id, "model", revision, cache)
+    command = download_command(hub_id, "model", revision)
+    if snapshot is None:
+        raise DataError(f"model.hub_id '{hub_id}'{f' (revision {revision})' if revision else ''} is not in the "
+                        f"Hugging Face cache {cache}; fetch it on a login node (with network, same HF_HOME): {command}")
+    manifest = read_manifest(snapshot)
+    if manifest and (problems := file_problems(snapshot, manifest)):
+        raise DataError(f"model.hub_id '{hub_id}': {snapshot} is incomplete ({_listed(problems)}); "
+                        f"complete it on a login node: {command}")
+    return snapshot
+
+
+def cached_snapshot(repo_id: str, repo_type: str, revision: str | None, cache: Path) -> Path | None:
+    """The cached snapshot of `revision` (default main), or None; never touches the network."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache,
+                                      local_files_only=True))
+    except LocalEntryNotFoundError:
+        return None
+    except HFValidationError as e:
+        raise DataError(f"'{repo_id}' is not a Hugging Face id: {_first_line(e)}") from None
+
+
+def hub_fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool) -> Path:
+    """Download a snapshot with the hub client (its own progress bars); `force` re-downloads every file."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        raise DataError(f"HF_HUB_OFFLINE is set, so {repo_id} cannot be downloaded; unset it on a machine with network")
+    try:
+        return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache,
+                                      force_download=force))
+    except GatedRepoError:
+        problem = "is gated: accept its terms on huggingface.co, then log in with `hf auth login`"
+    except RepositoryNotFoundError:
+        problem = f"is not a {repo_type} on the hub (private? log in with `hf auth login`; a dataset? --dataset)"
+    except OSError as e:  # a missing revision, other HTTP errors, and LocalEntryNotFoundError (no connection)
+        problem = f"cannot be downloaded: {_first_line(e)}"
+    raise DataError(f"{repo_id} {problem}")
+
+
+def local_fetch(source: str | Path) -> Fetch:
+    """A fetch that copies a local directory (a mirror, an air-gapped transfer) into the HF cache layout."""
+    source = Path(source).expanduser()
+    if not source.is_dir():
+        raise DataError(f"--from-dir {source} is not a directory")
+
+    def fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool) -> Path:
+        from huggingface_hub.file_download import repo_folder_name
+
+        repo = cache / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+        (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        blobs = {}  # always copied, force or not: hashing the source costs as much as copying it
+        for path in sorted(p for p in source.rglob("*") if p.is_file()):
+            if not (name := path.relative_to(source).as_posix()).startswith((".git/", ".cache/")):
+                incoming = repo / "blobs" / f".incoming-{os.getpid()}"
+                blobs[name] = _sha256(path, copy_to=incoming)
+                os.replace(incoming, repo / "blobs" / blobs[name])
+        commit = revision if _GIT_SHA1.fullmatch(revision or "") else None
+        if commit is None:  # a made-up commit id: the same content gives the same snapshot
+            commit = hashlib.sha1(json.dumps(blobs, sort_keys=True).encode()).hexdigest()
+            _write_atomic(repo / "refs" / (revision or "main"), commit)
+        for name, blob in blobs.items():
+            link = repo / "snapshots" / commit / name
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.unlink(missing_ok=True)
+            link.symlink_to(os.path.relpath(repo / "blobs" / blob, link.parent))
+        return repo / "snapshots" / commit
+
+    return fetch
+
+
+def read_manifest(snapshot: Path) -> dict[str, dict] | None:
+    """The manifest of a snapshot ({file: {size, sha256}}), or None when no download of it completed."""
+    try:
+        return json.loads(_manifest_path(snapshot).read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def write_manifest(snapshot: Path) -> dict[str, dict]:
+    """Hash every file of a fresh snapshot, check it against its blob's name, and record the manifest."""
+    files, problems = {}, {}
+    for path in sorted(p for p in snapshot.rglob("*") if not p.is_dir()):
+        name = path.relative_to(snapshot).as_posix()
+        if not path.exists():
+            problems[name] = "is missing (a broken link)"
+            continue
+        files[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        blob = os.path.basename(os.readlink(path)) if path.is_symlink() else ""
+        if (_SHA256.fullmatch(blob) and blob != files[name]["sha256"]
+                or _GIT_SHA1.fullmatch(blob) and blob != _git_blob_id(path)):
+            problems[name] = "does not match the hash the hub gave"
+    if problems:
+        raise DataError(f"the download into {snapshot} is corrupt: {_listed(problems)}; fetch it again with --force")
+    _write_atomic(_manifest_path(snapshot), json.dumps({"files": files}, indent=1))
+    return files
+
+
+def file_problems(snapshot: Path, manifest: dict[str, dict], rehash: bool = False) -> dict[str, str]:
+    """Files of the manifest that are missing or resized (or, with `rehash`, changed): {file: problem}."""
+    problems = {}
+    for name, expected in manifest.items():
+        path = snapshot / name
+        if not path.is_file():
+            problems[name] = "is missing"
+        elif path.stat().st_size != expected["size"]:
+            problems[name] = f"has {path.stat().st_size} bytes, expected {expected['size']}"
+        elif rehash and _sha256(path) != expected["sha256"]:
+            problems[name] = "has a different sha256 than when it was downloaded"
+    return problems
+
+
+def download_command(repo_id: str, repo_type: str = "model", revision: str | None = None) -> str:
+    """The `clustertrain download` line that fetches this repo."""
+    flags = ["--dataset"] * (repo_type == "dataset") + [f"--revision {revision}"] * bool(revision)
+    return " ".join(["clustertrain download", repo_id, *flags])
+
+
+def _manifest_path(snapshot: Path) -> Path:
+    return snapshot.parent.parent / MANIFESTS / f"{snapshot.name}.json"
+
+
+def _sha256(path: Path, copy_to: Path | None = None) -> str:
+    sha256 = hashlib.sha256()
+    with path.open("rb") as src, copy_to.open("wb") if copy_to else contextlib.nullcontext() as dst:
+        while chunk := src.read(1 << 24):
+            sha256.update(chunk)
+            if dst:
+                dst.write(chunk)
+    return sha256.hexdigest()
+
+
+def _git_blob_id(path: Path) -> str:
+    """The id git, and so the hub, gives a file: the sha1 of a header and the content (non-LFS files are small)."""
+    return hashlib.sha1(b"blob %d\0" % path.stat().st_size + path.read_bytes()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _listed(problems: dict[str, str]) -> str:
+    return "; ".join(f"{name} {problem}" for name, problem in problems.items())
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -1,0 +1,141 @@
+"""Load a trained model for generation on one CPU process, and complete prompts in batches.
+
+    model, tokenizer = load_for_inference("runs/tiny-llama")          # newest checkpoint of a run
+    model, tokenizer = load_for_inference("exports/tiny-llama")        # `clustertrain export` output
+    complete(model, tokenizer, ["reverse: a b c ="], max_new_tokens=8) # greedy: [" c b a"]
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from clustertrain.errors import CheckpointError, UserError
+
+
+def resolve_source(source: str | Path) -> Path:
+    """The folder a source loads from: an HF model directory (has `config.json`) as is, a checkpoint folder, or
+    the newest complete checkpoint of a run directory.
+
+    Raises:
+        UserError: the source does not exist or holds no complete checkpoint.
+    """
+    from clustertrain.checkpoint.export import resolve_checkpoint
+
+    source = Path(source)
+    if not source.exists():
+        raise UserError(f"{source} does not exist (give a checkpoint, a run directory or an exported model)")
+    return source if (source / "config.json").is_file() else resolve_checkpoint(source)
+
+
+def load_for_inference(source: str | Path) -> tuple[PreTrainedModel, Any]:
+    """The model (fp32, eval mode) and tokenizer of a checkpoint folder, a run directory or an HF directory.
+
+    Raises:
+        UserError: the source does not exist, cannot be loaded, or has no tokenizer.
+    """
+    path = resolve_source(source)
+    if (path / "config.json").is_file():
+        model, tokenizer = _load_hf_dir(path)
+    else:
+        from clustertrain.checkpoint.export import load_checkpoint_model
+
+        model, tokenizer, _ = load_checkpoint_model(path)
+    if tokenizer is None:
+        raise CheckpointError(f"{path} has no tokenizer, so prompts cannot be encoded")
+    return model.eval(), tokenizer
+
+
+def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot load its tokenizer: {_first_line(e)}") from None
+    return model, tokenizer
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids as SFT training saw them (`clustertrain.data.sft`): BOS if the tokenizer adds one, then
+    the prompt without special tokens, so that generation continues where a trained completion would start."""
+    from clustertrain.data.sft import _adds_bos
+
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return [tokenizer.bos_token_id, *ids] if _adds_bos(tokenizer) else ids
+
+
+@torch.no_grad()
+def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_tokens: int = 32,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             batch_size: int = 64) -> list[str]:
+    """Each prompt's completion (text after the prompt, up to EOS), decoded without special tokens.
+
+    Args:
+        temperature: 0 decodes greedily (deterministic); above 0 samples at this temperature.
+        top_p: with sampling, draw only from the smallest set of tokens whose probability reaches top_p.
+        seed: seeds the sampling; the same seed gives the same text.
+        batch_size: prompts per forward; shorter prompts are padded on the left.
+    """
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    if temperature > 0:
+        options = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+    else:
+        options = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    texts: list[str] = []
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        for start in range(0, len(prompts), batch_size):
+            encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+            width = max(len(ids) for ids in encoded)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+            out = model.generate(
+                input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
+                eos_token_id=eos, **options,
+            )
+            for row in out[:, width:].tolist():
+                if eos in row:
+                    row = row[: row.index(eos)]
+                texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts
+
+
+def exact_match(model: PreTrainedModel, tokenizer, records: list[dict], *, max_new_tokens: int | None = None,
+                batch_size: int = 64) -> dict[str, Any]:
+    """Greedy-decode each record's prompt and compare with its completion (exact match after strip).
+
+    Args:
+        records: `{"prompt", "completion"}` dicts, e.g. from `clustertrain.data.synthetic.read_task`.
+        max_new_tokens: default: the longest expected completion in tokens, plus one for EOS.
+
+    Returns:
+        {"n", "correct", "accuracy", "max_new_tokens", "examples": [{"prompt", "expected", "answer", "correct"}]}.
+    """
+    from clustertrain.data.synthetic import is_correct
+
+    if max_new_tokens is None:
+        longest = max(len(tokenizer.encode(r["completion"], add_special_tokens=False)) for r in records)
+        max_new_tokens = longest + 1
+    answers = complete(model, tokenizer, [r["prompt"] for r in records], max_new_tokens=max_new_tokens,
+                       batch_size=batch_size)
+    examples = [
+        {"prompt": r["prompt"], "expected": r["completion"], "answer": a, "correct": is_correct(a, r["completion"])}
+        for r, a in zip(records, answers)
+    ]
+    correct = sum(e["correct"] for e in examples)
+    return {"n": len(examples), "correct": correct, "accuracy": correct / len(examples),
+            "max_new_tokens": max_new_tokens, "examples": examples}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

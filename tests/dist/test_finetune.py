@@ -1,0 +1,177 @@
+"""Fine-tuning a local HF snapshot with 2 real ranks: LoRA under every strategy, frozen base, peft export, merge."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+from helpers import TINY, losses, run_cli, train
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from clustertrain.checkpoint.export import load_checkpoint_model
+from clustertrain.config.load import load_config
+from clustertrain.data.tokenize import load_tokenizer
+from clustertrain.lora import hf_name
+from clustertrain.train.metrics import read_jsonl
+
+pytestmark = pytest.mark.dist
+# model.config={}: TINY's model fields would otherwise override the snapshot's config
+LORA = ("model.config={}", "lora.rank=4", "lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0",
+        "optim.schedule=constant")
+STEPS = 8
+
+
+TINY_ARCHS = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+                max_position_embeddings=256),
+}
+
+
+def make_snapshot(out, arch: str, sharpen: bool = False):
+    """A tiny random `arch` model saved with save_pretrained, with the locally trained tokenizer of TINY's data."""
+    tokenizer = load_tokenizer(load_config(None, TINY).data)
+    config = AutoConfig.for_model(arch, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                                  bos_token_id=tokenizer.bos_token_id, **TINY_ARCHS[arch])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    if sharpen:  # sharp logits: a loss far above a fresh init's ln(vocab), easy to tell apart
+        with torch.no_grad():
+            model.lm_head.weight.mul_(30)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    return make_snapshot(tmp_path_factory.mktemp("snapshot"), "llama", sharpen=True)
+
+
+def assert_base_unchanged(run_dir, snapshot):
+    """Every base weight of the run's checkpoint equals the snapshot's; returns the loaded model."""
+    model, _, _ = load_checkpoint_model(run_dir)
+    base = load_file(snapshot / "model.safetensors")
+    trained = {hf_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
+    prefix = model.get_base_model().base_model_prefix + "."
+    for name, weight in base.items():
+        name = name if name in trained else prefix + name
+        assert torch.equal(trained[name], weight), name
+    return model
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "hybrid_zero2"])
+def test_lora_learns_and_leaves_the_base_bit_identical(tmp_path, snapshot, strategy):
+    train(tmp_path, f"model.path={snapshot}", *LORA, f"train.steps={STEPS}", f"parallel.strategy={strategy}",
+          nproc=2)
+    curve = losses(tmp_path)
+    assert curve[STEPS] < curve[1] - 0.05, curve
+    model = assert_base_unchanged(tmp_path, snapshot)
+    assert {hf_name(n) for n, _ in model.named_parameters() if ".lora_" not in n} == set(
+        load_file(snapshot / "model.safetensors"))
+    adapters = [n for n, p in model.named_parameters() if ".lora_B." in n]
+    assert adapters and all(model.get_parameter(n).abs().sum() > 0 for n in adapters)  # B moved off zero
+
+
+def test_adapter_export_loads_in_peft_and_merged_export_matches_it(tmp_path, snapshot):
+    train(tmp_path / "run", f"model.path={snapshot}", *LORA, "train.steps=4", nproc=2)
+    for args in (("adapter",), ("merged", "--merge")):
+        result = run_cli("export", str(tmp_path / "run"), str(tmp_path / args[0]), *args[1:])
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    base = AutoModelForCausalLM.from_pretrained(snapshot)
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, m = adapted(ids).logits, merged(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(snapshot).eval()(ids).logits
+    assert torch.allclose(a, m, atol=1e-5, rtol=1e-5), (a - m).abs().max()
+    assert not torch.allclose(a, plain, atol=1e-3)  # the adapter changes what the model computes
+
+
+def test_full_fine_tune_starts_from_the_snapshot(tmp_path, snapshot):
+    """Step 1's loss of a fine-tune equals the snapshot model's own loss on that batch: the weights were loaded."""
+    train(tmp_path / "a", f"model.path={snapshot}", "model.config={}", "train.steps=1", "parallel.strategy=zero3",
+          nproc=2)
+    train(tmp_path / "b", f"model.path={snapshot}", "model.config={}", "train.steps=1", "lora.rank=4", nproc=2)
+    assert losses(tmp_path / "a")[1] == pytest.approx(losses(tmp_path / "b")[1], rel=1e-5)
+    train(tmp_path / "c", "train.steps=1", nproc=2)  # the same architecture from scratch starts near ln(512)
+    assert losses(tmp_path / "b")[1] > losses(tmp_path / "c")[1] + 1.0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "qwen2", "mistral"])
+def test_each_architecture_loads_from_its_snapshot(tmp_path, arch):
+    snapshot = make_snapshot(tmp_path / "snapshot", arch)
+    train(tmp_path / "run", f"model.path={tmp_path / 'snapshot'}", *LORA, "train.steps=2")
+    assert_base_unchanged(tmp_path / "run", snapshot)
+
+
+def test_zero3_loads_a_model_bigger_than_one_ranks_share(tmp_path):
+    """Each zero3 rank reads only its shards: loading grows a rank by about half the model, a full copy by all of it."""
+    wide = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12,
+                num_key_value_heads=12)  # a ~43M-parameter Llama: 170 MB of fp32 weights
+    tokenizer = load_tokenizer(load_config(None, TINY).data)
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **wide)
+    model = AutoModelForCausalLM.from_config(config)
+    model_gb = sum(p.numel() for p in model.parameters()) * 4 / 1e9
+    model.save_pretrained(tmp_path / "wide")
+    tokenizer.save_pretrained(tmp_path / "wide")
+    del model
+    common = (f"model.path={tmp_path / 'wide'}", *LORA, "train.steps=1", "train.global_batch_size=2",
+              "train.micro_batch_size=1", "data.seq_len=32")
+    runs = {"tiny": ("train.steps=1",), "zero3": (*common, "parallel.strategy=zero3"), "ddp": common}
+    peak = {}
+    for name, overrides in runs.items():
+        train(tmp_path / name, *overrides, nproc=1 if name == "ddp" else 2)
+        peak[name] = next(r["load_mem_gb"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "load_mem_gb" in r)
+    sharded, whole = peak["zero3"] - peak["tiny"], peak["ddp"] - peak["tiny"]
+    print(f"model {model_gb:.3f} GB; peak after loading, above a tiny model's: largest zero3 rank {sharded:.3f} GB, "
+          f"one full copy {whole:.3f} GB")
+    assert sharded < 0.75 * model_gb < whole
+
+
+def test_shipped_sft_recipes_run_on_tiny_stand_ins(tmp_path, snapshot):
+    rows = [{"text": f"<s>[INST] What is {a} plus {b}? [/INST] {a + b}. </s>"} for a in range(10) for b in range(10)]
+    (tmp_path / "guanaco.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tiny = ("train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=2", "data.seq_len=64",
+            "parallel.param_dtype=float32", "train.sample_tokens=0", "metrics.progress=lines", "metrics.log_every=1")
+    result = run_cli("train", "configs/lora-sft-llama3.yaml", "--nproc=2", *[f"--set={o}" for o in (
+        f"model.path={snapshot}", f"data.sources=[{{path: {tmp_path / 'guanaco.jsonl'}, field: text}}]",
+        f"train.run_dir={tmp_path / 'llama3'}", *tiny)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trainable" in result.stdout and len(losses(tmp_path / "llama3")) == 3
+
+    gpt2 = make_snapshot(tmp_path / "gpt2", "gpt2")
+    (tmp_path / "text").mkdir()
+    for i in range(4):
+        (tmp_path / "text" / f"{i}.txt").write_text("\n\n".join(f"Paragraph {i}.{j}: " + "words " * 40 for j in range(5)))
+    result = run_cli("train", "configs/distilgpt2-lora-cpu.yaml", "--nproc=2", *[f"--set={o}" for o in (
+        "model.hub_id=null", f"model.path={gpt2}", f"data.sources=[{{path: '{tmp_path / 'text'}/*.txt', "
+        "text_unit: block}]", f"train.run_dir={tmp_path / 'gpt2-run'}", "train.eval_every=0", *tiny)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses(tmp_path / "gpt2-run")) == 3
+
+
+def test_hub_id_resolves_in_the_offline_cache_that_download_filled(tmp_path, snapshot):
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    fetched = run_cli("download", "lab/tiny-llama", "--from-dir", str(snapshot), env=env)
+    assert fetched.returncode == 0, fetched.stderr
+    assert "model.hub_id: lab/tiny-llama" in fetched.stdout
+    result = run_cli("train", *[f"--set={o}" for o in (*TINY, *LORA, "model.hub_id=lab/tiny-llama", "train.steps=1",
+                                                        f"train.run_dir={tmp_path / 'run'}")], env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_base_unchanged(tmp_path / "run", snapshot)
+    missing = run_cli("train", "--set=model.hub_id=lab/absent", f"--set=train.run_dir={tmp_path / 'x'}", env=env)
+    assert missing.returncode == 2 and "clustertrain download lab/absent" in missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1
