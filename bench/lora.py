@@ -2,10 +2,10 @@
 
 LoRA against full fine-tuning of the same model: tokens/s and the peak memory of the rank.
 
-    .venv/bin/python bench/lora.py --rounds 3 --steps 30 --rank 16
+    .venv/bin/python bench/lora.py --rounds 3 --steps 40 --rank 16
     .venv/bin/python bench/lora.py --set parallel.param_dtype=bfloat16 --set parallel.device=cuda
 
-A Llama of hidden 512 / 8 layers (about 30M parameters) is saved once with `save_pretrained`, then fine-tuned
+A Llama of hidden 384 / 6 layers (about 14M parameters) is saved once with `save_pretrained`, then fine-tuned
 from that snapshot by `clustertrain train` in fresh processes (one rank), alternating full and LoRA runs for
 `--rounds` rounds so that machine noise hits both. Tokens/s is the median of each run's logged rates after
 its first log step; memory is the run's peak (GPU allocator peak, or peak RSS on CPU), and `load` is the peak
@@ -28,14 +28,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from clustertrain.config.load import load_config
 from clustertrain.data.tokenize import load_tokenizer
 
-DATA = ["data.sources=[{format: stdlib, max_bytes: 2000000}]", "data.vocab_size=4096", "data.seq_len=256"]
+DATA = ["data.sources=[{format: stdlib, max_bytes: 2000000}]", "data.vocab_size=4096", "data.seq_len=128"]
 
 
 def snapshot(out: Path) -> int:
     """Save the benchmark model with the locally trained tokenizer; returns its parameter count."""
     tokenizer = load_tokenizer(load_config(None, DATA).data)
-    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1376,
-                                  num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+    config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=384, intermediate_size=1024,
+                                  num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
                                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
@@ -61,7 +61,7 @@ def run(run_dir: Path, model_dir: Path, steps: int, extra: list[str]) -> dict[st
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
@@ -74,8 +74,8 @@ def main() -> None:
         for i in range(args.rounds):
             for mode in (list(modes) if i % 2 == 0 else list(modes)[::-1]):
                 results[mode].append(run(tmp / f"{mode}-{i}", tmp / "model", args.steps, modes[mode] + args.set))
-    print(f"model: llama 512x8, {params / 1e6:.1f}M parameters ({params * 4 / 1e9:.2f} GB fp32); "
-          f"{args.rounds} rounds x {args.steps} steps of 8 x 256 tokens, 1 rank")
+    print(f"model: llama 384x6, {params / 1e6:.1f}M parameters ({params * 4 / 1e9:.2f} GB fp32); "
+          f"{args.rounds} rounds x {args.steps} steps of 8 x 128 tokens, 1 rank")
     print(f"{'mode':6} {'tokens/s':>10} {'peak GB':>8} {'load GB':>8}")
     summary = {}
     for mode, runs in results.items():

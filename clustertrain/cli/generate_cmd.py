@@ -45,8 +45,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def quiet_transformers() -> None:
-    """No progress bars or generation advice on the terminal: the output is the model's text."""
+    """No progress bars, generation advice or deprecation notes on the terminal: the output is the model's text."""
+    import warnings
+
     from transformers.utils import logging
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)  # e.g. peft calling a renamed transformers method

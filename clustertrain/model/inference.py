@@ -2,43 +2,49 @@
 
     model, tokenizer = load_for_inference("runs/tiny-llama")          # newest checkpoint of a run
     model, tokenizer = load_for_inference("exports/tiny-llama")        # `clustertrain export` output
+    model, tokenizer = load_for_inference("exports/adapter")           # a LoRA adapter on its base model
     complete(model, tokenizer, ["reverse: a b c ="], max_new_tokens=8) # greedy: [" c b a"]
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
-from transformers import PreTrainedModel
+from typing import TYPE_CHECKING, Any
 
 from clustertrain.errors import CheckpointError, UserError
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+# torch and transformers are imported where used, so that a wrong path fails in a blink, not after imports.
+
 
 def resolve_source(source: str | Path) -> Path:
-    """The folder a source loads from: an HF model directory (has `config.json`) as is, a checkpoint folder, or
-    the newest complete checkpoint of a run directory.
+    """The folder a source loads from: an HF model or adapter directory as is, a checkpoint folder, or the
+    newest complete checkpoint of a run directory.
 
     Raises:
         UserError: the source does not exist or holds no complete checkpoint.
     """
-    from clustertrain.checkpoint.export import resolve_checkpoint
-
     source = Path(source)
     if not source.exists():
         raise UserError(f"{source} does not exist (give a checkpoint, a run directory or an exported model)")
-    return source if (source / "config.json").is_file() else resolve_checkpoint(source)
+    if _is_hf_dir(source):
+        return source
+    from clustertrain.checkpoint.export import resolve_checkpoint
+
+    return resolve_checkpoint(source)
 
 
 def load_for_inference(source: str | Path) -> tuple[PreTrainedModel, Any]:
-    """The model (fp32, eval mode) and tokenizer of a checkpoint folder, a run directory or an HF directory.
+    """The model (fp32, eval mode) and tokenizer of a checkpoint folder, a run directory, an HF model directory,
+    or a LoRA adapter directory (`adapter_config.json`, loaded on its `base_model_name_or_path`).
 
     Raises:
         UserError: the source does not exist, cannot be loaded, or has no tokenizer.
     """
     path = resolve_source(source)
-    if (path / "config.json").is_file():
+    if _is_hf_dir(path):
         model, tokenizer = _load_hf_dir(path)
     else:
         from clustertrain.checkpoint.export import load_checkpoint_model
@@ -49,18 +55,35 @@ def load_for_inference(source: str | Path) -> tuple[PreTrainedModel, Any]:
     return model.eval(), tokenizer
 
 
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
+
+
 def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    adapter = not (path / "config.json").is_file()
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        if adapter:
+            from peft import AutoPeftModelForCausalLM
+
+            model = AutoPeftModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
+    # An adapter directory may lack the tokenizer; its base model has it.
+    tokenizer_dir = path if not adapter or _has_tokenizer(path) else model.peft_config["default"].base_model_name_or_path
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load its tokenizer: {_first_line(e)}") from None
     return model, tokenizer
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
@@ -72,7 +95,6 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     return [tokenizer.bos_token_id, *ids] if _adds_bos(tokenizer) else ids
 
 
-@torch.no_grad()
 def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_tokens: int = 32,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              batch_size: int = 64) -> list[str]:
@@ -84,6 +106,8 @@ def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_t
         seed: seeds the sampling; the same seed gives the same text.
         batch_size: prompts per forward; shorter prompts are padded on the left.
     """
+    import torch
+
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     if temperature > 0:
@@ -91,7 +115,7 @@ def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_t
     else:
         options = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     texts: list[str] = []
-    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch_size):
             encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]

@@ -140,3 +140,24 @@ def test_exported_directory_loads_with_its_tokenizer(random_model, tmp_path):
     prompts = [r["prompt"] for r in records[:4]]
     assert complete(loaded, loaded_tokenizer, prompts, max_new_tokens=6) == complete(
         model, tokenizer, prompts, max_new_tokens=6)
+
+
+def test_lora_adapter_directory_loads_on_its_base(random_model, tmp_path):
+    import peft
+
+    model, tokenizer, records = random_model
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    adapted = peft.get_peft_model(model, config).eval()  # random lora_B: the adapter changes the output
+    adapted.peft_config["default"].base_model_name_or_path = str(tmp_path / "base")  # as export writes it
+    adapted.save_pretrained(tmp_path / "adapter")  # no tokenizer: the base model's is used
+    prompts = [r["prompt"] for r in records[:6]]
+    expected = complete(adapted, tokenizer, prompts, max_new_tokens=6)
+    with adapted.disable_adapter():
+        base_text = complete(adapted, tokenizer, prompts, max_new_tokens=6)
+    adapted.unload()  # give the shared module its plain layers back
+    loaded, loaded_tokenizer = load_for_inference(tmp_path / "adapter")
+    assert isinstance(loaded, peft.PeftModel)
+    assert complete(loaded, loaded_tokenizer, prompts, max_new_tokens=6) == expected != base_text
