@@ -52,6 +52,8 @@ def run_eval(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be at least 1")
+    if args.show < 0:
+        raise UserError(f"--show {args.show}: must be 0 or more")
 
     from clustertrain.cli.generate_cmd import quiet_transformers
     from clustertrain.data.synthetic import read_task

@@ -73,8 +73,9 @@ def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
-    # An adapter directory may lack the tokenizer; its base model has it.
-    tokenizer_dir = path if not adapter or _has_tokenizer(path) else model.peft_config["default"].base_model_name_or_path
+    tokenizer_dir = path
+    if adapter and not _has_tokenizer(path):  # then its base model has it
+        tokenizer_dir = model.peft_config["default"].base_model_name_or_path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -109,7 +110,9 @@ def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_t
     import torch
 
     eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    pad = next((t for t in (tokenizer.pad_token_id, eos, 0) if t is not None))
+    # An empty prompt starts after a document boundary, as every document does in pretraining.
+    start_id = next((t for t in (tokenizer.bos_token_id, eos, pad) if t is not None))
     if temperature > 0:
         options = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
     else:
@@ -118,7 +121,7 @@ def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_t
     with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch_size):
-            encoded = [encode_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+            encoded = [encode_prompt(tokenizer, p) or [start_id] for p in prompts[start : start + batch_size]]
             width = max(len(ids) for ids in encoded)
             input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
             mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])

@@ -119,6 +119,12 @@ def test_left_padded_batches_give_the_same_text_as_one_prompt_at_a_time(random_m
     assert any(text for text in batched)
 
 
+def test_an_empty_prompt_starts_from_a_document_boundary(random_model):
+    model, tokenizer, _ = random_model
+    [text] = complete(model, tokenizer, [""], max_new_tokens=4)
+    assert text == complete(model, tokenizer, [tokenizer.eos_token], max_new_tokens=4)[0]
+
+
 def test_sampling_repeats_with_its_seed_and_tiny_top_p_is_greedy(random_model):
     model, tokenizer, records = random_model
     prompts = [r["prompt"] for r in records[:8]]
@@ -142,6 +148,7 @@ def test_exported_directory_loads_with_its_tokenizer(random_model, tmp_path):
         model, tokenizer, prompts, max_new_tokens=6)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # peft calls a transformers method renamed in v5
 def test_lora_adapter_directory_loads_on_its_base(random_model, tmp_path):
     import peft
 
