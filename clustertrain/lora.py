@@ -16,7 +16,7 @@ try:
 except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor
 
-_WRAPPING = re.compile(r"^base_model\.model\.|\.base_layer(?=\.)|\.lora_[AB]\.default")
+_WRAPPING = re.compile(r"^base_model\.model\.|\.base_layer(?=\.)")
 
 
 def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> peft.PeftModel:

@@ -129,12 +129,12 @@ def _prompt_completion_pieces(record: dict, tokenizer, where: str) -> list[_Piec
     if tokenizer.eos_token_id is None:
         raise DataError(f"{where}the tokenizer defines no eos_token to end the completion with")
     pieces: list[_Piece] = [(record["prompt"], False), (record["completion"], True), (tokenizer.eos_token_id, True)]
-    if _adds_bos(tokenizer):
+    if adds_bos(tokenizer):
         pieces.insert(0, (tokenizer.bos_token_id, False))
     return pieces
 
 
-def _adds_bos(tokenizer) -> bool:
+def adds_bos(tokenizer) -> bool:
     """Whether plain `tokenizer(text)` starts with BOS (Llama-style tokenizers do, GPT-2-style ones do not)."""
     if tokenizer.bos_token_id is None:
         return False

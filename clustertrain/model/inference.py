@@ -90,10 +90,10 @@ def _has_tokenizer(path: Path) -> bool:
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """The prompt's ids as SFT training saw them (`clustertrain.data.sft`): BOS if the tokenizer adds one, then
     the prompt without special tokens, so that generation continues where a trained completion would start."""
-    from clustertrain.data.sft import _adds_bos
+    from clustertrain.data.sft import adds_bos
 
     ids = tokenizer.encode(prompt, add_special_tokens=False)
-    return [tokenizer.bos_token_id, *ids] if _adds_bos(tokenizer) else ids
+    return [tokenizer.bos_token_id, *ids] if adds_bos(tokenizer) else ids
 
 
 def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_tokens: int = 32,
