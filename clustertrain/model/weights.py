@@ -9,7 +9,7 @@ each rank reading only the slices it owns.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import json
 import zlib
 from pathlib import Path
@@ -70,27 +70,11 @@ def load_pretrained(model: nn.Module, snapshot: Path) -> None:
     A DTensor parameter reads only its local slice from the file (safetensors reads lazily), so no rank
     ever holds the full model. Tied weights and LoRA adapters are not in the file and keep their values.
     """
-    from clustertrain.lora import is_lora
+    from clustertrain.lora import hf_name, is_lora
 
     hf_model = model.get_base_model() if is_lora(model) else model
     prefix = hf_model.base_model_prefix
-    with contextlib.ExitStack() as files:  # each weight file is opened once
-        readers = [_open(path, files) for path in _weight_files(snapshot)]
-        keys = {key: reader for reader in readers for key in reader.keys()}
-        missing = _copy_weights(model, keys, prefix)
-    if getattr(hf_model.config, "tie_word_embeddings", False):  # the head is the embedding, tied below
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing:
-        raise ConfigError(f"{snapshot}: no weights for {len(missing)} parameters of this architecture, e.g. "
-                          f"{', '.join(missing[:3])}; is model.path the model its config.json describes?")
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-
-
-def _copy_weights(model: nn.Module, keys: dict, prefix: str) -> list[str]:
-    """Copy every parameter and buffer found under `keys` (name -> open file); returns the parameters not found."""
-    from clustertrain.lora import hf_name
-
+    keys = {key: path for path in _weight_files(snapshot) for key in _keys(path)}
     missing = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         key = hf_name(name)
@@ -104,12 +88,14 @@ def _copy_weights(model: nn.Module, keys: dict, prefix: str) -> list[str]:
             continue
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         index = tuple(slice(o, o + n) for n, o in zip(*_local_box(tensor)))
-        reader = keys[key]
-        if isinstance(reader, dict):  # a .bin state dict, memory-mapped
-            local.copy_(reader[key][index])
-        else:  # safetensors reads only the slice asked for
-            local.copy_(reader.get_slice(key)[index] if index else reader.get_tensor(key))
-    return missing
+        local.copy_(_read(keys[key], key, index))
+    if getattr(hf_model.config, "tie_word_embeddings", False):  # the head is the embedding, tied below
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing:
+        raise ConfigError(f"{snapshot}: no weights for {len(missing)} parameters of this architecture, e.g. "
+                          f"{', '.join(missing[:3])}; is model.path the model its config.json describes?")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
 
 
 def _local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -130,8 +116,24 @@ def _weight_files(snapshot: Path) -> list[Path]:
     raise ConfigError(f"{snapshot}: no model.safetensors or pytorch_model.bin (nor their sharded index)")
 
 
-def _open(path: Path, files: contextlib.ExitStack):
-    """A safetensors file opened lazily, or a .bin state dict memory-mapped and loaded without unpickling code."""
+def _keys(path: Path) -> list[str]:
     if path.suffix == ".safetensors":
-        return files.enter_context(safe_open(path, framework="pt"))
+        with safe_open(path, framework="pt") as f:
+            return list(f.keys())
+    return list(_bin(path))
+
+
+def _read(path: Path, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+    # Opened per tensor on purpose: an open file keeps every page read so far mapped into the rank,
+    # so holding it for the whole load would cost a second copy of the model in memory.
+    if path.suffix == ".safetensors":
+        with safe_open(path, framework="pt") as f:
+            piece = f.get_slice(key)
+            return piece[index] if index else f.get_tensor(key)
+    return _bin(path)[key][index]
+
+
+@functools.lru_cache(maxsize=2)
+def _bin(path: Path) -> dict[str, torch.Tensor]:
+    """A .bin checkpoint, memory-mapped (no copy in RAM) and without unpickling code."""
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
