@@ -19,13 +19,21 @@ except ImportError:  # pragma: no cover - torch < 2.5
 _WRAPPING = re.compile(r"^base_model\.model\.|\.base_layer(?=\.)")
 
 
-def apply_lora(model: PreTrainedModel, lora: LoraConfig) -> peft.PeftModel:
-    """Add LoRA adapters to `model` (on any device, meta included) and freeze everything else."""
+def apply_lora(model: PreTrainedModel, lora: LoraConfig, base_dtype: torch.dtype = torch.float32) -> peft.PeftModel:
+    """Add LoRA adapters to `model` (on any device, meta included) and freeze everything else.
+
+    The frozen base is stored in `base_dtype` (the compute dtype): it needs no fp32 master copy, as it never
+    changes. The adapters stay fp32, the optimizer's master weights.
+    """
     config = peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, config)
+    wrapped = peft.get_peft_model(model, config)
+    for param in wrapped.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(base_dtype)
+    return wrapped
 
 
 def is_lora(model: nn.Module) -> bool:

@@ -154,6 +154,11 @@ class ParallelConfig(Section):
         None, gt=0, description="Ranks per shard group for hybrid strategies; default: the ranks of one node."
     )
     param_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    activation_checkpoint: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute block activations in backward instead of keeping them: in every block (full), "
+        "in every `activation_checkpoint_every`-th block (selective), or none.",
+    )
+    activation_checkpoint_every: int = Field(2, gt=0, description="Selective checkpointing's stride in blocks.")
     reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl (RCCL on ROCm) on GPUs, gloo on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")

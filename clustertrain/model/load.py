@@ -56,8 +56,10 @@ def build_hf_config(
         raise ConfigError(f"model.config: {model.arch} rejects these fields: {e}") from None
 
 
-def build_meta_model(model: ModelConfig, hf_config: PretrainedConfig, lora: LoraConfig | None = None) -> nn.Module:
-    """The model with every parameter on the meta device (no memory until it is materialized), LoRA-wrapped if asked."""
+def build_meta_model(model: ModelConfig, hf_config: PretrainedConfig, lora: LoraConfig | None = None,
+                     base_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The model with every parameter on the meta device (no memory until it is materialized), LoRA-wrapped if asked
+    (its frozen base in `base_dtype`)."""
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(
             hf_config, attn_implementation=model.attn_implementation, dtype=torch.float32
@@ -65,7 +67,7 @@ def build_meta_model(model: ModelConfig, hf_config: PretrainedConfig, lora: Lora
     if lora is not None and lora.enabled:
         from clustertrain.lora import apply_lora
 
-        return apply_lora(built, lora)
+        return apply_lora(built, lora, base_dtype)
     return built
 
 

@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.dist.mesh import Mesh
+from clustertrain.parallel.ac import apply_activation_checkpointing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -23,11 +24,12 @@ def parallelize(
     blocks: tuple[type[nn.Module], ...],
     materialize: Callable[[nn.Module], None],
 ) -> nn.Module:
-    """Apply the data-parallel strategy to a meta-device `model` and materialize its weights.
+    """Apply activation checkpointing and the data-parallel strategy to a meta-device `model`, and materialize it.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
     weights, so it wraps after `materialize`.
     """
+    apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
     if parallel.strategy == "ddp":
         materialize(model)
         if mesh.dp_size == 1:

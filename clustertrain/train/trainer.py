@@ -90,7 +90,7 @@ class Trainer:
         self.mixture: Counter = Counter()
 
         self.hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
-        meta = build_meta_model(cfg.model, self.hf_config, cfg.lora)
+        meta = build_meta_model(cfg.model, self.hf_config, cfg.lora, DTYPES[cfg.parallel.param_dtype])
         self.params = count_params(meta)
         self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
         self.model = parallelize(

@@ -7,6 +7,7 @@ import json
 import peft
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from helpers import TINY, losses, run_cli, train
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -80,6 +81,32 @@ def test_lora_learns_and_leaves_the_base_bit_identical(tmp_path, snapshot, strat
         load_file(snapshot / "model.safetensors"))
     adapters = [n for n, p in model.named_parameters() if ".lora_B." in n]
     assert adapters and all(model.get_parameter(n).abs().sum() > 0 for n in adapters)  # B moved off zero
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero3"])
+def test_lora_keeps_its_frozen_base_in_the_compute_dtype(tmp_path, snapshot, strategy):
+    """Under bf16 the frozen base is stored in bf16 (no fp32 copy); the adapters, which train, stay fp32."""
+    train(tmp_path, f"model.path={snapshot}", *LORA, f"train.steps={STEPS}", f"parallel.strategy={strategy}",
+          "parallel.param_dtype=bfloat16", nproc=2)
+    curve = losses(tmp_path)
+    assert curve[STEPS] < curve[1] - 0.05, curve
+    saved = dcp.FileSystemReader(tmp_path / "checkpoints" / f"step-{STEPS:07d}").read_metadata().state_dict_metadata
+    dtypes = {name: meta.properties.dtype for name, meta in saved.items() if name.startswith("model.")}
+    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
+    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    model, _, _ = load_checkpoint_model(tmp_path)
+    base = load_file(snapshot / "model.safetensors")
+    trained = {hf_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
+    assert all(torch.equal(trained[n], w.to(torch.bfloat16).float()) for n, w in base.items()), "base changed"
+
+
+def test_lora_trains_the_same_under_activation_checkpointing(tmp_path, snapshot):
+    """Recomputing blocks whose inputs need no gradient (frozen embeddings) still trains the adapters, identically."""
+    for mode in ("none", "full"):
+        train(tmp_path / mode, f"model.path={snapshot}", *LORA, "train.steps=4", "parallel.strategy=zero3",
+              f"parallel.activation_checkpoint={mode}", nproc=2)
+    assert losses(tmp_path / "full") == pytest.approx(losses(tmp_path / "none"), rel=1e-6)
+    assert losses(tmp_path / "full")[4] < losses(tmp_path / "full")[1] - 0.05
 
 
 def test_adapter_export_loads_in_peft_and_merged_export_matches_it(tmp_path, snapshot):

@@ -11,6 +11,7 @@ from helpers import run_cli, train
 from clustertrain.data.synthetic import read_task
 
 STEPS = 120
+LORA_STEPS = 60
 # TINY at twice the width, with 8 heads and no grouped keys, and twice the tokens per step: from scratch, the
 # reverse task then goes from ~0% to 80-96% exact match in 120 steps over six seeds (50-95% with 4 heads
 # sharing 2 key heads; TINY itself needs ~250 steps).
@@ -112,3 +113,19 @@ def test_eval_needs_source_and_data_or_make_task():
     result = run_cli("eval", "--data", "test.jsonl")
     assert result.returncode == 2
     assert result.stderr == "error: give SOURCE and --data TEST.jsonl (or --make-task OUT_DIR to write a task)\n"
+
+
+def test_lora_fine_tune_raises_the_accuracy_of_an_exported_base(trained, tmp_path):
+    """`eval` before and after a short LoRA run on a half-trained base, the adapter scored as `export` writes it."""
+    run, task = trained
+    base = tmp_path / "base"
+    assert run_cli("export", str(run / "checkpoints" / "step-0000040"), str(base)).returncode == 0
+    before = evaluate(base, task)
+    train(tmp_path / "lora", *REVERSE_TASK, f"data.sources=[{{path: {task / 'train.jsonl'}}}]",
+          f"model.path={base}", "model.config={}", "lora.rank=16", "lora.alpha=32", f"train.steps={LORA_STEPS}",
+          "optim.schedule=constant", "optim.warmup_steps=5")
+    assert run_cli("export", str(tmp_path / "lora"), str(tmp_path / "adapter")).returncode == 0
+    after = evaluate(tmp_path / "adapter", task)
+    print(f"LoRA: exact match {before['accuracy']:.0%} before, {after['accuracy']:.0%} after {LORA_STEPS} steps")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert after["accuracy"] > before["accuracy"] + 0.25, (before["accuracy"], after["accuracy"])
