@@ -4,6 +4,7 @@
     clustertrain train configs/tiny-llama.yaml --nproc 2 --set optim.lr=1e-3
     torchrun --nproc_per_node 8 -m clustertrain train configs/tiny-llama.yaml
     srun -N 2 --ntasks-per-node 8 clustertrain train configs/tiny-llama.yaml
+    clustertrain verify configs/tiny-llama.yaml --nproc 2 --set parallel.strategy=zero3  # losses match 1 rank
     clustertrain config show configs/tiny-llama.yaml
     clustertrain tokenizer train configs/tiny-llama.yaml tokenizers/code-4k
     clustertrain data audit runs/tiny-llama
@@ -23,14 +24,14 @@ from clustertrain.errors import UserError
 
 def build_parser() -> argparse.ArgumentParser:
     from clustertrain.cli import (config_cmd, data_cmd, download_cmd, eval_cmd, export_cmd, generate_cmd, slurm_cmd,
-                                  tokenizer_cmd, train_cmd)
+                                  tokenizer_cmd, train_cmd, verify_cmd)
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd, generate_cmd, eval_cmd, download_cmd,
-                   slurm_cmd):
+    for module in (train_cmd, verify_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd, generate_cmd, eval_cmd,
+                   download_cmd, slurm_cmd):
         module.add_parser(commands)
     return parser
 

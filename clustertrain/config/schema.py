@@ -153,6 +153,16 @@ class ParallelConfig(Section):
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="Ranks per shard group for hybrid strategies; default: the ranks of one node."
     )
+    tp: int = Field(1, gt=0, description="Tensor-parallel degree: each block's linears split over this many ranks "
+                    "(the model's own `base_model_tp_plan`).")
+    pp: int = Field(1, gt=0, description="Pipeline-parallel degree.")
+    dp_shard: int | None = Field(
+        None, gt=0, description="Ranks that shard parameters (FSDP); default from `strategy`. "
+        "pp × dp_replicate × dp_shard × tp is the world size.",
+    )
+    dp_replicate: int | None = Field(
+        None, gt=0, description="Ranks that hold replicas (DDP, or across hybrid shard groups); default from `strategy`."
+    )
     param_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
     activation_checkpoint: Literal["none", "full", "selective"] = Field(
         "none", description="Recompute block activations in backward instead of keeping them: in every block (full), "

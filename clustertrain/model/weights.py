@@ -32,7 +32,12 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 def init_weights(model: PreTrainedModel, device: torch.device, seed: int) -> None:
     """Allocate `model` on `device` and initialize it from `seed`, independent of how it is sharded."""
     model.to_empty(device=device)
+    seen: set[int] = set()
     for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if own and all(id(p) in seen for p in own):
+            continue  # a tied head keeps the values of the embedding it shares, sharded or not
+        seen.update(id(p) for p in own)
         _init_module(model, module, device, seed + zlib.crc32(name.encode()))
     if hasattr(model, "tie_weights"):
         model.tie_weights()

@@ -1,4 +1,4 @@
-"""The one entry to parallelism: wrap the meta model for the strategy, materialize it, wrap for DDP."""
+"""The one entry to parallelism: on the meta model, TP -> activation checkpointing -> FSDP, then materialize; DDP last."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.dist.mesh import Mesh
+from clustertrain.errors import ConfigError
 from clustertrain.parallel.ac import apply_activation_checkpointing
+from clustertrain.parallel.tp import apply_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -24,20 +26,34 @@ def parallelize(
     blocks: tuple[type[nn.Module], ...],
     materialize: Callable[[nn.Module], None],
 ) -> nn.Module:
-    """Apply activation checkpointing and the data-parallel strategy to a meta-device `model`, and materialize it.
+    """Apply the layout to a meta-device `model` and materialize its weights.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
     weights, so it wraps after `materialize`.
     """
+    if parallel.pp > 1:
+        raise ConfigError("parallel.pp > 1: pipeline parallelism is not available yet; use parallel.pp: 1")
+    if mesh.tp > 1:
+        apply_tp(model, mesh.tp_mesh())
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
-    if parallel.strategy == "ddp":
-        materialize(model)
-        if mesh.dp_size == 1:
-            return model
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    apply_fsdp(model, parallel, mesh, blocks)
+    wrapper = data_parallel_wrapper(parallel, mesh)
+    if wrapper == "fsdp":
+        apply_fsdp(model, parallel, mesh, blocks)
     materialize(model)
+    if wrapper == "ddp":
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
+
+
+def data_parallel_wrapper(parallel: ParallelConfig, mesh: Mesh) -> str | None:
+    """fsdp for the zero strategies and any tp-split model, ddp for replicas of a whole model, else None.
+
+    Under tp, "ddp" is FSDP2 over (dp_replicate, dp_shard=1), which replicates: it also turns every
+    parameter into a DTensor, which the optimizer needs when some already are.
+    """
+    if parallel.strategy != "ddp" or mesh.tp > 1:
+        return "fsdp"
+    return "ddp" if mesh.dp_size > 1 else None
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelConfig, mesh: Mesh, blocks: tuple[type[nn.Module], ...]) -> None:
@@ -50,9 +66,9 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, mesh: Mesh, blocks: t
     fully_shard(model, mesh=mesh.shard_mesh(), reshard_after_forward=reshard, mp_policy=policy)
 
 
-def autocast_dtype(parallel: ParallelConfig) -> torch.dtype | None:
-    """The autocast dtype for strategies without a mixed-precision policy of their own (DDP), else None."""
-    if parallel.strategy == "ddp" and parallel.param_dtype != "float32":
+def autocast_dtype(parallel: ParallelConfig, mesh: Mesh) -> torch.dtype | None:
+    """The autocast dtype when no FSDP mixed-precision policy casts (DDP or no wrapper), else None."""
+    if data_parallel_wrapper(parallel, mesh) != "fsdp" and parallel.param_dtype != "float32":
         return DTYPES[parallel.param_dtype]
     return None
 

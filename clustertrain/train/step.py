@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
@@ -38,11 +39,11 @@ def token_loss_sum(
     )
 
 
-def count_tokens(batch: dict[str, torch.Tensor], dp_size: int) -> torch.Tensor:
-    """Tokens that carry loss in the whole global batch (summed over data-parallel ranks)."""
+def count_tokens(batch: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Tokens that carry loss in the whole global batch (summed over the data-parallel ranks of `dp_group`)."""
     count = batch["labels"].ne(IGNORE_INDEX).sum()
-    if dp_size > 1:
-        dist.all_reduce(count)
+    if dp_group is not None:
+        dist.all_reduce(count, group=dp_group)
     return count.clamp(min=1)
 
 
@@ -53,6 +54,7 @@ def train_step(
     *,
     micro_batch_size: int,
     dp_size: int,
+    dp_group: dist.ProcessGroup | None,
     grad_clip: float,
     autocast_dtype: torch.dtype | None = None,
 ) -> StepResult:
@@ -64,7 +66,7 @@ def train_step(
     Returns:
         this rank's summed loss, the global loss-token count, and the global gradient norm before clipping.
     """
-    total_tokens = count_tokens(batch, dp_size)
+    total_tokens = count_tokens(batch, dp_group)
     local_loss = torch.zeros((), device=batch["input_ids"].device)
     n_micro = math.ceil(batch["input_ids"].shape[0] / micro_batch_size)
     for i in range(n_micro):
@@ -85,17 +87,33 @@ def train_step(
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to the global norm (sharded gradients reduce across ranks); 0 only measures it."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """Clip to the global norm (sharded gradients reduce across ranks); 0 only measures it.
+
+    Gradients may live on different meshes (tp-split linears on (dp, tp), the rest on dp, or plain
+    tensors), and a norm reduces only within one mesh, so each mesh's norm is taken on its own.
+    """
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in model.parameters():
+        if p.grad is not None:
+            by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) for params in by_mesh.values()]
+    norm = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+    if max_norm > 0:
+        with implicit_replication():  # the plain-tensor norm scales sharded gradients as a replicated scalar
+            for params in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
 
 
-def global_mean_loss(result: StepResult, dp_size: int) -> float:
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def global_mean_loss(result: StepResult, dp_group: dist.ProcessGroup | None) -> float:
     """The mean loss over the global batch from each rank's summed loss."""
     total = result.loss_sum.clone()
-    if dp_size > 1:
-        dist.all_reduce(total)
+    if dp_group is not None:
+        dist.all_reduce(total, group=dp_group)
     return (total / result.tokens).item()
 
 

@@ -181,7 +181,7 @@ class Trainer:
         self.stop_step = self.total_steps
         if cfg.train.stop_after_steps:
             self.stop_step = min(self.total_steps, self.step + cfg.train.stop_after_steps)
-        self._autocast = autocast_dtype(cfg.parallel)
+        self._autocast = autocast_dtype(cfg.parallel, self.mesh)
         self._timer = _Timer(self.step)
 
     def train_steps(self, n: int) -> None:
@@ -193,7 +193,8 @@ class Trainer:
             batch = self._next_batch(self.loader)
             result = train_step(
                 self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
-                dp_size=self.mesh.dp_size, grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast,
+                dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip,
+                autocast_dtype=self._autocast,
             )
             self.step += 1
             self.tokens_seen += self.tokens_per_step
@@ -251,7 +252,7 @@ class Trainer:
         return summary
 
     def _log(self, result: StepResult) -> None:
-        loss = global_mean_loss(result, self.mesh.dp_size)
+        loss = global_mean_loss(result, self.mesh.dp_group)
         elapsed, steps = self._timer.elapsed(self.step)
         tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
         world = dist.get_world_size()
@@ -276,7 +277,7 @@ class Trainer:
         labels = self.plan.labels
         counts = torch.tensor([self.mixture[l] for l in labels] + [sum(self.loader.skipped.values())],
                               dtype=torch.float64)
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=self.mesh.dp_group)
         total = counts[:-1].sum().item() or 1.0
         metrics = {f"mix/{l}": counts[i].item() / total for i, l in enumerate(labels)} if len(labels) > 1 else {}
         if counts[-1] > 0:
@@ -293,7 +294,7 @@ class Trainer:
             batch = self._next_batch(loader)
             totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
             totals[1] += batch["labels"].ne(IGNORE_INDEX).sum()
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.mesh.dp_group)
         self.model.train()
         loss = (totals[0] / totals[1]).item()
         self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
@@ -377,7 +378,8 @@ class Trainer:
             f"clustertrain: {cfg.model.arch} {p['total'] / 1e6:.2f}M params ({p['trainable'] / 1e6:.2f}M trainable), "
             f"{self.info.world_size} rank(s) on {self.info.world_size // self.info.local_world_size} node(s) "
             f"via {self.info.launcher} on {self.device.type}, "
-            f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard})"
+            f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard}, "
+            f"tp={self.mesh.tp})"
         )
         self.logger.info(
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "

@@ -1,9 +1,9 @@
-"""Layouts beyond data parallelism, with real processes: activation checkpointing."""
+"""Layouts beyond data parallelism, with real processes: activation checkpointing and tensor parallelism."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import losses, train
+from helpers import TINY, losses, run_cli, train
 
 from clustertrain.train.metrics import read_jsonl
 
@@ -29,3 +29,41 @@ def test_activation_checkpointing_lowers_peak_memory_at_equal_loss(tmp_path):
     assert peak["full"] < peak["selective"] < peak["none"], peak
     for name in ("selective", "full"):
         assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "none"), rel=1e-6)
+
+
+OPT = ("model.arch=opt", "model.config={hidden_size: 64, ffn_dim: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+       "word_embed_proj_dim: 64, max_position_embeddings: 256, dropout: 0.0, attention_dropout: 0.0}")
+LORA = ("lora.rank=4", "lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0")
+
+
+def grad_norms(run_dir) -> dict[int, float]:
+    return {r["step"]: r["grad_norm"] for r in read_jsonl(run_dir / "metrics.jsonl") if "grad_norm" in r}
+
+
+@pytest.mark.parametrize("overrides", [OPT, LORA], ids=["opt-own-plan", "lora"])
+def test_tensor_parallel_matches_one_rank(tmp_path, overrides):
+    """OPT under the plan clustertrain gives it, and LoRA adapters split with their linears, compute as on 1 rank."""
+    train(tmp_path / "one", *overrides, "train.steps=4")
+    train(tmp_path / "tp2", *overrides, "train.steps=4", "parallel.tp=2", nproc=2)
+    assert losses(tmp_path / "tp2") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    assert grad_norms(tmp_path / "tp2") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-5)
+
+
+def test_checkpoints_move_from_tp2_to_zero3_to_one_rank(tmp_path):
+    common = ("train.steps=6", "checkpoint.every=2")
+    train(tmp_path / "reference", *common)
+    moved = tmp_path / "moved"
+    train(moved, *common, "parallel.tp=2", "train.stop_after_steps=2", nproc=2)
+    train(moved, *common, "parallel.strategy=zero3", "train.stop_after_steps=2", nproc=2)
+    train(moved, *common)
+    assert sorted(losses(moved)) == list(range(1, 7))
+    assert losses(moved) == pytest.approx(losses(tmp_path / "reference"), rel=1e-5)
+
+
+def test_an_architecture_without_a_plan_is_one_line(tmp_path):
+    result = run_cli("train", "--nproc", "2", *(f"--set={o}" for o in (
+        *TINY, f"train.run_dir={tmp_path}", "model.arch=gpt2", "model.config={n_embd: 64, n_layer: 2, n_head: 4}",
+        "parallel.tp=2")))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: parallel.tp = 'gpt2' has no tensor-parallel plan" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,4 +1,4 @@
-"""Real 1-, 2- and 4-rank training runs (gloo): strategies agree with one rank, learn, and resume exactly."""
+"""Real 1-, 2- and 4-rank training runs (gloo): layouts agree with one rank, learn, and resume exactly."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ LAYOUTS = {
     "zero3_bf16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=bfloat16",
                                            "train.eval_every=5"]),
     "ddp_bf16": dict(nproc=2, overrides=["parallel.strategy=ddp", "parallel.param_dtype=bfloat16"]),
+    "tp2": dict(nproc=2, overrides=["parallel.tp=2"]),
+    "zero3_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=zero3", "parallel.tp=2"]),
+    "ddp_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=ddp", "parallel.tp=2"]),
 }
 FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith("bf16")]
 
@@ -48,6 +51,15 @@ def test_layout_matches_one_rank(runs, name):
     reference, other = losses(runs["single"]), losses(runs[name])
     for step in range(1, 6):
         assert other[step] == pytest.approx(reference[step], rel=1e-5), f"step {step}"
+    reference, other = grad_norms(runs["single"]), grad_norms(runs[name])
+    for step in range(1, 6):
+        assert other[step] == pytest.approx(reference[step], rel=1e-5), f"grad norm, step {step}"
+
+
+def grad_norms(run_dir) -> dict[int, float]:
+    from clustertrain.train.metrics import read_jsonl
+
+    return {r["step"]: r["grad_norm"] for r in read_jsonl(run_dir / "metrics.jsonl") if "grad_norm" in r}
 
 
 @pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16"])

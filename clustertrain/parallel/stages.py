@@ -1,0 +1,358 @@
+"""Pipeline-parallel stages of a Hugging Face causal LM, for `torch.distributed.pipelining`.
+
+A stage keeps a contiguous run of decoder layers; the first stage also keeps the embeddings, the last
+the final norm and the head. Each is built from the full model (on the meta device: nothing is allocated)
+and computes exactly what the full model computes for its part, masks for packed documents included:
+
+    stages = [build_stage(meta_model, s, num_stages) for s in stages_of_this_rank]
+    pipe = [PipelineStage(m, m.stage_index, num_stages, device) for m in stages]
+    schedule = ScheduleGPipe(pipe[0], n_microbatches, loss_fn=..., scale_grads=False)  # or 1F1B, Interleaved1F1B
+    schedule.step(input_ids, position_ids, target=labels)  # inputs on stage 0's rank, target on the last's
+
+Inputs and outputs, per microbatch of b rows of t tokens:
+
+- stage 0 takes `(input_ids [b, t], position_ids [b, t] or None)`; None means 0..t-1 in every row.
+- a later stage takes what its predecessor returned, `(hidden [b, t, h], position_ids [b, t])`:
+  pipelining hands the microbatch to the first stage only, so the positions, which every stage needs
+  for its masks and rotary embeddings, travel with the activations (t int64 per row, no gradient).
+- every stage but the last returns `(hidden, position_ids)`; the last returns the logits [b, t, vocab].
+
+Parameters keep the full model's names (`model.layers.3.self_attn.q_proj.weight`): the layer list
+becomes an `nn.ModuleDict` keyed by the original indices, so a checkpoint written under any pipeline
+layout loads under any other, and under none, by name. Modules without parameters (rotary embeddings,
+dropout) are kept on every stage.
+
+Tied embeddings: when the head shares its weight with the input embedding (GPT-2, OPT and some small
+Llama-family configs), the last stage keeps its own copy under the head's name (`lm_head.weight`).
+`stage.tied_names` lists the `(head name, embedding name)` pairs that live on different stages. The
+trainer must make both copies equal after materializing (copy the first stage's embedding to the last
+stage's head: initialization is seeded by module name, and HF snapshots of tied models store only the
+embedding) and sum their gradients between the first and last stage before each update.
+
+With clustertrain's loss (summed, divided by the global token count) pass `scale_grads=False` to the
+schedule: by default it also divides the gradients by the number of microbatches.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from clustertrain.errors import ConfigError
+
+Plan = dict[str, tuple[list[str], list[str]]]
+
+# Where GPT-2 and OPT keep their pieces, in the form of transformers' `base_model_pp_plan` (a module path
+# under the base model: its input and output names), which transformers ships for neither. The entries
+# before the layer list belong to the first stage, those after it to the last.
+OWN_PLANS: dict[str, Plan] = {
+    "gpt2": {
+        "wte": (["input_ids"], ["inputs_embeds"]),
+        "wpe": (["position_ids"], ["position_embeds"]),
+        "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "ln_f": (["hidden_states"], ["hidden_states"]),
+    },
+    "opt": {
+        "decoder.embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "decoder.embed_positions": (["attention_mask", "position_ids"], ["position_embeds"]),
+        "decoder.project_in": (["inputs_embeds"], ["inputs_embeds"]),  # None unless word_embed_proj_dim differs
+        "decoder.layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "decoder.final_layer_norm": (["hidden_states"], ["hidden_states"]),  # None without do_layer_norm_before
+        "decoder.project_out": (["hidden_states"], ["hidden_states"]),
+    },
+}
+
+
+def pipeline_plan(config: PretrainedConfig) -> Plan:
+    """Where the base model keeps its embeddings, decoder layers and final norm: transformers' shipped
+    `base_model_pp_plan`, else ours (GPT-2, OPT).
+
+    Raises:
+        ConfigError: the architecture has neither.
+    """
+    shipped = getattr(config, "base_model_pp_plan", None)
+    plan = shipped if isinstance(shipped, dict) and shipped else OWN_PLANS.get(config.model_type)
+    if plan is None:
+        raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
+                          "(no base_model_pp_plan in transformers, none in clustertrain)")
+    return plan
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, whose sizes differ by at most one.
+
+    The layers left over by an even split go to the middle stages first (1, 2, ...), then to the first
+    stage, and to the last only when every other stage has one: the last stage also computes the head
+    and the loss (about 2·h·vocab FLOPs per token, several layers' worth for a large vocabulary) while
+    the first stage's embedding is a lookup. With an interleaved schedule, pass the total number of
+    stages (pipeline degree × stages per rank).
+
+    Raises:
+        ConfigError: more stages than layers (every stage needs one).
+    """
+    if not 1 <= num_stages <= num_layers:
+        raise ConfigError(f"pipeline parallel: {num_stages} stages for a model of {num_layers} decoder layers; "
+                          "each stage needs at least one layer")
+    base, extra = divmod(num_layers, num_stages)
+    order = [*range(1, num_stages - 1), 0, *([num_stages - 1] if num_stages > 1 else [])]
+    sizes = [base + (s in order[:extra]) for s in range(num_stages)]
+    starts = list(itertools.accumulate(sizes, initial=0))
+    return [range(start, end) for start, end in zip(starts, starts[1:])]
+
+
+def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> PipelineStageModule:
+    """Stage `stage_index` of `num_stages` of the causal LM `model` (any device, meta included; left unchanged).
+
+    The stage is a deep copy of only the modules it keeps, so building on the meta device allocates
+    nothing, and building from a real model copies only this stage's weights.
+
+    Raises:
+        ConfigError: the architecture is not supported, or there are more stages than layers.
+    """
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"build_stage needs a Hugging Face model, got {type(model).__name__} (split before LoRA)")
+    config = model.config
+    stage_class = _STAGE_CLASSES.get(config.model_type)
+    plan = pipeline_plan(config)
+    if stage_class is None:
+        raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
+                          f"(clustertrain mirrors the forward of {', '.join(sorted(_STAGE_CLASSES))} only)")
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index {stage_index} is not in [0, {num_stages})")
+    layout = _Layout.of(model, plan)
+    split = split_layers(len(layout.layer_list(model)), num_stages)
+    layers = split[stage_index]
+    first, last = stage_index == 0, stage_index == num_stages - 1
+
+    dropped = [layer for i, layer in enumerate(layout.layer_list(model)) if i not in layers]
+    dropped += [] if first else [model.get_submodule(path) for path in layout.first]
+    dropped += [] if last else [model.get_submodule(path) for path in layout.last]
+    kept = copy.deepcopy(model, memo={id(m): None for m in dropped})  # a dropped module is copied as None
+    for path in ([] if first else layout.first) + ([] if last else layout.last):
+        parent, _, name = path.rpartition(".")
+        delattr(kept.get_submodule(parent), name)
+    parent, _, name = layout.layers.rpartition(".")
+    layer_list = kept.get_submodule(layout.layers)
+    setattr(kept.get_submodule(parent), name, nn.ModuleDict({str(i): layer_list[i] for i in layers}))
+
+    tied = [(head, embedding) for head, embedding in _tied_pairs(model)
+            if layout.owner(head, split) != layout.owner(embedding, split)]
+    stage = stage_class(kept, layout, stage_index, num_stages, layers, tied)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    assert {n for n, _ in stage.named_parameters(remove_duplicate=False)} <= names, "a stage renamed a parameter"
+    return stage
+
+
+class PipelineStageModule(nn.Module):
+    """One pipeline stage: the full model's modules that this stage keeps, under their original names.
+
+    Attributes:
+        stage_index, num_stages: this stage's place in the pipeline.
+        layer_indices: the decoder layers it keeps (indices in the full model).
+        tied_names: (head name, embedding name) pairs of one weight shared in the full model that live on
+            different stages here; the first stage holds the embedding, the last the head.
+        config: the model's HF config.
+    """
+
+    def __init__(self, kept: PreTrainedModel, layout: _Layout, stage_index: int, num_stages: int,
+                 layer_indices: range, tied_names: list[tuple[str, str]]):
+        super().__init__()
+        for name, child in kept.named_children():
+            self.add_module(name, child)
+        self.config = kept.config
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.layer_indices = layer_indices
+        self.tied_names = tied_names
+        self._prefix, self._layers = kept.base_model_prefix, layout.layers
+
+    @property
+    def base(self) -> PreTrainedModel:
+        """The (pruned) HF base model, e.g. `LlamaModel`."""
+        return getattr(self, self._prefix)
+
+    @property
+    def layers(self) -> nn.ModuleDict:
+        """This stage's decoder layers, keyed by their index in the full model."""
+        return self.get_submodule(self._layers)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+        """Input ids (first stage) or hidden states -> `(hidden, position_ids)`, or the logits on the last stage."""
+        batch, length = x.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(length, device=x.device)
+        position_ids = position_ids.expand(batch, length).contiguous()  # sent on, so one row per sample
+        hidden = self.embed(x, position_ids) if self.is_first else x
+        hidden = self.decode(hidden, position_ids)
+        if not self.is_last:
+            return hidden, position_ids
+        return self.head(hidden)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """The model's own initialization, so `clustertrain.model.weights.init_weights` can materialize a stage."""
+        self.base._init_weights(module)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+# The forwards below mirror transformers 5.x `LlamaModel` (and its kin), `GPT2Model` and `OPTDecoder`,
+# with attention_mask=None, past_key_values=None and use_cache=False, as clustertrain.train.step calls them.
+
+
+class _RopeDecoderStage(PipelineStageModule):
+    """Llama and the models whose forward is Llama's: rotary embeddings, per-layer causal or sliding masks."""
+
+    def embed(self, input_ids, position_ids):
+        return self.base.embed_tokens(input_ids)
+
+    def decode(self, hidden, position_ids):
+        kinds = {index: _MASK_KIND[self.config.model_type](self.config, int(index)) for index in self.layers}
+        masks = {kind: _MASK_FUNCTIONS[kind](config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                             past_key_values=None, position_ids=position_ids)
+                 for kind in set(kinds.values())}
+        position_embeddings = self.base.rotary_emb(hidden, position_ids=position_ids)
+        for index, layer in self.layers.items():
+            hidden = layer(hidden, attention_mask=masks[kinds[index]], position_embeddings=position_embeddings,
+                           position_ids=position_ids, past_key_values=None, use_cache=False)
+        return hidden
+
+    def head(self, hidden):
+        return self.lm_head(self.base.norm(hidden))
+
+
+class _GPT2Stage(PipelineStageModule):
+    def embed(self, input_ids, position_ids):
+        return self.base.drop(self.base.wte(input_ids) + self.base.wpe(position_ids))
+
+    def decode(self, hidden, position_ids):
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
+                                  past_key_values=None, position_ids=position_ids)
+        for block in self.layers.values():
+            hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
+                           position_ids=position_ids)
+        return hidden
+
+    def head(self, hidden):
+        return self.lm_head(self.base.ln_f(hidden))
+
+
+class _OPTStage(PipelineStageModule):
+    def embed(self, input_ids, position_ids):
+        decoder = self.base.decoder
+        embeds = decoder.embed_tokens(input_ids)
+        if decoder.project_in is not None:
+            embeds = decoder.project_in(embeds)
+        # the module adds OPT's offset of 2 itself; the mask argument is only read when positions are None
+        return embeds + decoder.embed_positions(None, 0, position_ids=position_ids)
+
+    def decode(self, hidden, position_ids):
+        # OPTDecoder builds its mask without position_ids: OPT attends across packed documents.
+        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None)
+        layerdrop = self.base.decoder.layerdrop
+        for layer in self.layers.values():
+            if self.training and layerdrop > 0.0 and torch.rand([]) < layerdrop:
+                continue
+            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None,
+                           use_cache=False)
+        return hidden
+
+    def head(self, hidden):
+        decoder = self.base.decoder
+        if decoder.final_layer_norm is not None:
+            hidden = decoder.final_layer_norm(hidden)
+        if decoder.project_out is not None:
+            hidden = decoder.project_out(hidden)
+        return self.lm_head(hidden).contiguous()
+
+
+_MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+
+
+def _full(config: PretrainedConfig, index: int) -> str:
+    return "full_attention"
+
+
+def _sliding_if_set(config: PretrainedConfig, index: int) -> str:
+    return "full_attention" if config.sliding_window is None else "sliding_attention"
+
+
+def _by_layer_type(config: PretrainedConfig, index: int) -> str:
+    return config.layer_types[index]
+
+
+# How each model's forward picks a layer's mask (see its modeling_<type>.py); a model type is supported
+# only once its forward has been read and found to be Llama's apart from this choice.
+_MASK_KIND = {
+    "llama": _full, "gemma": _full,
+    "mistral": _sliding_if_set, "phi3": _sliding_if_set,
+    "qwen2": _by_layer_type, "qwen3": _by_layer_type,
+}
+_STAGE_CLASSES: dict[str, type[PipelineStageModule]] = {
+    **dict.fromkeys(_MASK_KIND, _RopeDecoderStage), "gpt2": _GPT2Stage, "opt": _OPTStage,
+}
+
+
+class _Layout:
+    """Module paths (from the causal LM) of what goes only on the first stage, the layer list, and what goes
+    only on the last stage (final norm, head)."""
+
+    def __init__(self, first: list[str], layers: str, last: list[str]):
+        self.first, self.layers, self.last = first, layers, last
+        self.first_prefixes = tuple(path + "." for path in first)
+        self.last_prefixes = tuple(path + "." for path in last)
+
+    @classmethod
+    def of(cls, model: PreTrainedModel, plan: Plan) -> _Layout:
+        prefix = model.base_model_prefix
+        paths = [f"{prefix}.{key}" for key in plan if _has(model, f"{prefix}.{key}")]
+        lists = [i for i, path in enumerate(paths) if isinstance(model.get_submodule(path), nn.ModuleList)]
+        assert len(lists) == 1, f"{model.config.model_type}: the plan names {len(lists)} layer lists"
+        head = next(iter(getattr(type(model), "_pp_plan", None) or {"lm_head": None}))
+        layout = cls(paths[:lists[0]], paths[lists[0]], [*paths[lists[0] + 1:], head])
+        planned = (*layout.first_prefixes, layout.layers + ".", *layout.last_prefixes)
+        unplanned = [name for name, _ in model.named_parameters() if not name.startswith(planned)]
+        assert not unplanned, f"{model.config.model_type}: parameters outside the plan: {unplanned[:3]}"
+        return layout
+
+    def layer_list(self, model: nn.Module) -> nn.ModuleList:
+        return model.get_submodule(self.layers)
+
+    def owner(self, name: str, split: list[range]) -> int:
+        """The stage that holds the parameter `name` of the full model."""
+        if name.startswith(self.first_prefixes):
+            return 0
+        if name.startswith(self.last_prefixes):
+            return len(split) - 1
+        index = int(name[len(self.layers) + 1:].split(".")[0])
+        return next(stage for stage, layers in enumerate(split) if index in layers)
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    """Whether `path` names a module (OPT's optional projections and final norm may be None)."""
+    parent, _, name = path.rpartition(".")
+    return getattr(model.get_submodule(parent), name, None) is not None
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """(later name, first name) of every parameter the model holds under two names, e.g. ("lm_head.weight",
+    "model.embed_tokens.weight")."""
+    first_name: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            pairs.append((name, first_name[id(param)]))
+        else:
+            first_name[id(param)] = name
+    return pairs

@@ -1,0 +1,97 @@
+"""Tensor parallelism from the model's own plan: transformers' `base_model_tp_plan`, or ours for OPT.
+
+A plan maps module-name patterns (relative to the base model, `*` for a layer index) to styles. Column-wise
+linears split their outputs over the tp ranks, row-wise linears their inputs and sum the results, so a block's
+attention heads and MLP columns are divided among the ranks. Embeddings, norms and the head stay replicated.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from clustertrain.errors import ConfigError
+
+STYLES: dict[str, ParallelStyle] = {
+    "colwise": ColwiseParallel(),
+    "rowwise": RowwiseParallel(),
+    "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
+}
+
+# OPT ships no plan; its projections are plain linears. Its attention reshapes with a head count it keeps as
+# an attribute, so that count must become the local one (Llama-style attention infers it from the shape).
+_OPT_ATTENTION = "decoder.layers.*.self_attn"
+OWN_PLANS: dict[str, dict[str, str]] = {
+    "opt": {
+        f"{_OPT_ATTENTION}.q_proj": "colwise",
+        f"{_OPT_ATTENTION}.k_proj": "colwise",
+        f"{_OPT_ATTENTION}.v_proj": "colwise",
+        f"{_OPT_ATTENTION}.out_proj": "rowwise",
+        "decoder.layers.*.fc1": "colwise",
+        "decoder.layers.*.fc2": "rowwise",
+    },
+}
+LOCAL_HEAD_COUNTS: dict[str, dict[str, str]] = {"opt": {_OPT_ATTENTION: "num_heads"}}
+
+
+def tp_plan(config) -> dict[str, str]:
+    """The model's tensor-parallel plan, or a one-line error for an architecture we cannot split."""
+    plan = getattr(config, "base_model_tp_plan", None) or OWN_PLANS.get(config.model_type)
+    if not plan:
+        raise ConfigError(f"parallel.tp = {config.model_type!r} has no tensor-parallel plan (its layers are not "
+                          "plain linears we can split); use parallel.tp: 1")
+    unknown = {s for s in plan.values() if s not in STYLES}
+    if unknown:
+        raise ConfigError(f"parallel.tp: the {config.model_type!r} plan uses styles {sorted(unknown)}, which "
+                          f"clustertrain does not support (only {sorted(STYLES)}); use parallel.tp: 1")
+    return plan
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split `model`'s linears over `tp_mesh` by its plan; LoRA adapters on those linears are split to match."""
+    from clustertrain.lora import is_lora
+
+    hf_model = model.get_base_model() if is_lora(model) else model
+    config, base, tp = hf_model.config, hf_model.base_model, tp_mesh.size()
+    _check_divisible(config, tp)
+    plan = tp_plan(config)
+    for pattern, style in plan.items():
+        matched = [m for name, m in base.named_modules() if _matches(pattern, name)]
+        if not matched:
+            raise ConfigError(f"parallel.tp: no module of {config.model_type!r} matches its plan's {pattern!r}")
+        for module in matched:
+            _parallelize(module, style, tp_mesh)
+    for pattern, attribute in LOCAL_HEAD_COUNTS.get(config.model_type, {}).items():
+        for name, module in base.named_modules():
+            if _matches(pattern, name):
+                setattr(module, attribute, getattr(module, attribute) // tp)
+
+
+def _parallelize(module: nn.Module, style: str, tp_mesh: DeviceMesh) -> None:
+    if not hasattr(module, "base_layer"):
+        parallelize_module(module, tp_mesh, STYLES[style])
+        return
+    # A LoRA layer computes base(x) + B(A(x)). Column-wise: split B's outputs like the base's, keep A whole.
+    # Row-wise: split A's inputs like the base's (A's output is then summed), keep B whole.
+    parallelize_module(module.base_layer, tp_mesh, STYLES[style])
+    split = module.lora_B if style.startswith("colwise") else module.lora_A
+    for adapter in split.values():
+        parallelize_module(adapter, tp_mesh, STYLES[style])
+
+
+def _matches(pattern: str, name: str) -> bool:
+    return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
+
+
+def _check_divisible(config, tp: int) -> None:
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if count and count % tp:
+            fits = [d for d in range(1, count + 1) if count % d == 0]
+            raise ConfigError(f"parallel.tp = {tp} does not divide the model's {count} {what}; use one of {fits}")
