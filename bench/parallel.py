@@ -37,8 +37,8 @@ threads slows down far more than a rank of one (1 rank on a shared 2-core box: a
 with 1), which flatters the multi-rank layouts: the benchmark warns when the load is high; compare with --threads 1.
 
 Output: the table on stdout, a PNG of two bar charts (tokens/s, peak memory of rank 0) at `--out`, and the raw
-numbers of every run as JSON beside it (same name, .json). The PNG needs matplotlib, which is not a dependency
-of clustertrain: without it only the JSON is written.
+numbers of every run as JSON beside it (same name, .json). The PNG needs matplotlib (in the dev extra, which
+`make install` installs); without it only the JSON is written.
 """
 
 from __future__ import annotations
@@ -234,7 +234,9 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def status_text(summary: dict) -> str:
-    return "n/a (not available)" if summary["status"] == "n/a" else "failed"
+    if summary["status"] == "n/a":
+        return "n/a (not available)"
+    return f"failed (exit {summary['exit_code']})"
 
 
 def print_table(layouts: list[Layout], summaries: dict[str, dict], threads: dict[str, int], cores: int) -> None:
@@ -358,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if plot(args.out, args.layouts, summaries, title):
         print(f"plot: {args.out}; numbers: {out_json}")
     else:
-        print(f"numbers: {out_json}; no plot: matplotlib is not installed here (it is not a clustertrain "
-              "dependency; `pip install matplotlib` for the PNG)")
+        print(f"numbers: {out_json}; no plot: matplotlib is not installed here (`pip install matplotlib`)")
     return 0
 
 

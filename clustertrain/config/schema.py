@@ -169,6 +169,8 @@ class ParallelConfig(Section):
         "in every `activation_checkpoint_every`-th block (selective), or none.",
     )
     activation_checkpoint_every: int = Field(2, gt=0, description="Selective checkpointing's stride in blocks.")
+    compile: bool = Field(False, description="torch.compile each transformer block (after tp and checkpointing, "
+                          "before sharding).")
     reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl (RCCL on ROCm) on GPUs, gloo on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")

@@ -1,4 +1,5 @@
-"""The one entry to parallelism: on the meta model, TP -> activation checkpointing -> FSDP, then materialize; DDP last."""
+"""The one entry to parallelism: on the meta model, TP -> activation checkpointing -> compile -> FSDP, then
+materialize; DDP last."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ def parallelize(
     if mesh.tp > 1:
         apply_tp(model, mesh.tp_mesh())
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
+    if parallel.compile:
+        for block in [m for m in model.modules() if isinstance(m, blocks)]:
+            block.compile()  # in place: names, sharding units and checkpoints stay those of the plain model
     wrapper = data_parallel_wrapper(parallel, mesh)
     if wrapper == "fsdp":
         apply_fsdp(model, parallel, mesh, blocks)

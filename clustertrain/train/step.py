@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 
@@ -57,11 +58,14 @@ def train_step(
     dp_group: dist.ProcessGroup | None,
     grad_clip: float,
     autocast_dtype: torch.dtype | None = None,
+    scaler: ShardedGradScaler | None = None,
 ) -> StepResult:
     """Forward/backward this rank's share of a global batch, clip and update.
 
     The loss is normalized by the global number of loss tokens, and scaled by `dp_size` because DDP and
     FSDP average gradients over ranks, so every layout computes the gradient of the same global mean.
+    Under float16 `scaler` scales the loss up so that small gradients survive, and skips a step whose
+    gradients overflowed on any rank.
 
     Returns:
         this rank's summed loss, the global loss-token count, and the global gradient norm before clipping.
@@ -78,10 +82,17 @@ def train_step(
             loss_sum = token_loss_sum(
                 model, batch["input_ids"][rows], batch["labels"][rows], None if positions is None else positions[rows]
             )
-            (loss_sum * dp_size / total_tokens).backward()
+            loss = loss_sum * dp_size / total_tokens
+            (scaler.scale(loss) if scaler else loss).backward()
         local_loss += loss_sum.detach()
+    if scaler:
+        scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, grad_clip)
-    optimizer.step()
+    if scaler:
+        scaler.step(optimizer)  # skipped when a gradient is inf or NaN
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(local_loss, total_tokens, grad_norm)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.manager import CheckpointManager, Preempted, StopRequests
@@ -102,6 +103,7 @@ class Trainer:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         self.load_mem_gb = peak.item()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scaler = ShardedGradScaler(self.device.type) if cfg.parallel.param_dtype == "float16" else None
         self.total_steps = total_steps(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])
@@ -136,6 +138,8 @@ class Trainer:
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         if "data" in state:  # an imported model starts the data from the beginning
             self.loader.load_state_dict(state["data"])
+        if self.scaler and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
         return path
 
     def _loader(self, split: str) -> StreamLoader:
@@ -194,7 +198,7 @@ class Trainer:
             result = train_step(
                 self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
                 dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip,
-                autocast_dtype=self._autocast,
+                autocast_dtype=self._autocast, scaler=self.scaler,
             )
             self.step += 1
             self.tokens_seen += self.tokens_per_step
@@ -267,6 +271,7 @@ class Trainer:
             "tokens_per_s_per_rank": tokens_per_s / world if tokens_per_s else None,
             "mfu": mfu,
             "mem_gb": memory_gb(self.device),
+            **({"loss_scale": self.scaler.get_scale()} if self.scaler else {}),
             "tokens": self.tokens_seen,
             **self._data_metrics(),
         })
@@ -312,6 +317,8 @@ class Trainer:
             "world_size": dist.get_world_size(),
             "strategy": self.config.parallel.strategy,
         }
+        if self.scaler:
+            state["grad_scaler"] = self.scaler.state_dict()
 
         def write_extras(folder: Path) -> None:
             (folder / "config.yaml").write_text(dump_config(self.config))

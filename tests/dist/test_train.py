@@ -20,11 +20,13 @@ LAYOUTS = {
     "zero3_bf16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=bfloat16",
                                            "train.eval_every=5"]),
     "ddp_bf16": dict(nproc=2, overrides=["parallel.strategy=ddp", "parallel.param_dtype=bfloat16"]),
+    "zero3_fp16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=float16"]),
+    "zero3_compiled": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.compile=true"]),
     "tp2": dict(nproc=2, overrides=["parallel.tp=2"]),
     "zero3_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=zero3", "parallel.tp=2"]),
     "ddp_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=ddp", "parallel.tp=2"]),
 }
-FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith("bf16")]
+FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith(("bf16", "fp16"))]
 
 
 class Runs(dict):
@@ -62,12 +64,19 @@ def grad_norms(run_dir) -> dict[int, float]:
     return {r["step"]: r["grad_norm"] for r in read_jsonl(run_dir / "metrics.jsonl") if "grad_norm" in r}
 
 
-@pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16"])
-def test_bf16_tracks_fp32(runs, name):
+@pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16", "zero3_fp16"])
+def test_half_precision_tracks_fp32(runs, name):
     reference, other = losses(runs["single"]), losses(runs[name])
     for step in range(1, 6):
         assert other[step] == pytest.approx(reference[step], rel=2e-2), f"step {step}"
-    assert other[1] != reference[1], "bf16 compute should not be bit-identical to fp32"
+    assert other[1] != reference[1], "half-precision compute should not be bit-identical to fp32"
+
+
+def test_fp16_scales_the_loss(runs):
+    from clustertrain.train.metrics import read_jsonl
+
+    scales = [r["loss_scale"] for r in read_jsonl(runs["zero3_fp16"] / "metrics.jsonl") if "loss" in r]
+    assert len(scales) == 10 and scales[0] == 2.0**16  # the scaler's start; it halves on overflow
 
 
 def test_evaluation_is_logged(runs):
