@@ -19,7 +19,7 @@ and should end on the same loss. The data is the tests' tiny corpus (the standar
     zero3 x2            parallel.strategy=zero3, --nproc 2
     tp2                 parallel.tp=2, --nproc 2 (one data-parallel rank)
     zero3 + full AC x2  parallel.strategy=zero3 parallel.activation_checkpoint=full, --nproc 2
-    pp2                 parallel.pp=2, --nproc 2 ("n/a" while the trainer rejects pipeline parallelism)
+    pp2                 parallel.pp=2, --nproc 2 (1f1b, 2 microbatches of 4 rows: the others' microbatch size)
     zero3 x4            parallel.strategy=zero3, --nproc 4 (with --with-4)
     zero3 dp2 x tp2     parallel.strategy=zero3 parallel.tp=2, --nproc 4 (with --with-4)
 

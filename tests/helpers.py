@@ -53,6 +53,25 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("loss") is not None}
 
 
+def grad_norms(run_dir: Path) -> dict[int, float]:
+    """step -> gradient norm from a run's metrics.jsonl."""
+    return {r["step"]: r["grad_norm"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "grad_norm" in r}
+
+
+class LayoutRuns(dict):
+    """`runs[name]`: the run directory of layout `name` (dict(nproc, overrides)), trained once on first use."""
+
+    def __init__(self, tmp_path_factory, layouts: dict[str, dict], *common: str):
+        super().__init__()
+        self.tmp_path_factory, self.layouts, self.common = tmp_path_factory, layouts, common
+
+    def __missing__(self, name: str) -> Path:
+        run_dir = self.tmp_path_factory.mktemp(name)
+        train(run_dir, *self.common, *self.layouts[name]["overrides"], nproc=self.layouts[name]["nproc"])
+        self[name] = run_dir
+        return run_dir
+
+
 def final_weights(run_dir: Path, step: int) -> dict:
     """The model weights of a run's checkpoint at `step`, as one full state dict."""
     from clustertrain.checkpoint.export import load_checkpoint_model

@@ -72,7 +72,7 @@ def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, 
     dist.barrier()
     _write_json(tmp / f"rng-{dist.get_rank()}.json", rng_state())
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = {"model": model_state, "optim": _rename_optim_state(optim_state, _tied_copies(model))}
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
         return None
@@ -154,9 +154,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -
         set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={})
     else:
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optim": optim_state}
+        copies = _tied_copies(model)
+        state = {"model": model_state, "optim": _rename_optim_state(optim_state, copies)}
         dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        optim_state = _rename_optim_state(state["optim"], {v: k for k, v in copies.items()})
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
     rng = path / f"rng-{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng.exists():  # a rank that did not exist in the saving run keeps its seeded state
         set_rng_state(json.loads(rng.read_text()))
@@ -164,6 +166,28 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -
         return json.loads((path / TRAIN_STATE).read_text())
     except json.JSONDecodeError:
         raise CheckpointError(f"{path / TRAIN_STATE} is damaged (not JSON); resume from an earlier checkpoint") from None
+
+
+def _tied_copies(model: nn.Module) -> dict[str, str]:
+    """The last pipeline stage's copies of tied weights (head name -> embedding name), else nothing.
+
+    The full model's optimizer keeps a tied weight's state under the embedding's name only, so the last
+    stage saves and loads its head's state under that name too: the first stage holds the same values
+    (both copies take the same summed gradients), and checkpoints then move between layouts by name.
+    """
+    if getattr(model, "is_last", False) and not model.is_first:
+        return dict(model.tied_names)
+    return {}
+
+
+def _rename_optim_state(optim_state: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """`optim_state` (get_state_dict's form: state and param_groups keyed by parameter name) with names replaced."""
+    if not names:
+        return optim_state
+    return {
+        "state": {names.get(k, k): v for k, v in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [names.get(n, n) for n in g["params"]]} for g in optim_state["param_groups"]],
+    }
 
 
 def move_aside(run_dir: Path) -> Path:

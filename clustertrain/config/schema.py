@@ -155,7 +155,16 @@ class ParallelConfig(Section):
     )
     tp: int = Field(1, gt=0, description="Tensor-parallel degree: each block's linears split over this many ranks "
                     "(the model's own `base_model_tp_plan`).")
-    pp: int = Field(1, gt=0, description="Pipeline-parallel degree.")
+    pp: int = Field(1, gt=0, description="Pipeline-parallel degree: the decoder layers split into this many stages, "
+                    "one per rank.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule (with pp > 1): all forwards then all backwards (gpipe), or one forward "
+        "one backward (1f1b, less activation memory); interleaved_1f1b is not available yet.",
+    )
+    microbatches: int | None = Field(
+        None, gt=0, description="Microbatches per step with pp > 1: each rank's share of the global batch is split into "
+        "this many (must divide it); default: pp. Replaces train.micro_batch_size under pipeline parallelism.",
+    )
     dp_shard: int | None = Field(
         None, gt=0, description="Ranks that shard parameters (FSDP); default from `strategy`. "
         "pp × dp_replicate × dp_shard × tp is the world size.",

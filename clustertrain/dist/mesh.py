@@ -43,6 +43,24 @@ class Mesh:
         """The process group of this rank's data-parallel peers."""
         return self.flat_mesh.get_group("dp")
 
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage (one stage per rank)."""
+        return self.device_mesh.get_local_rank("pp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        """The process group of the ranks that hold the other stages of this rank's pipeline."""
+        return self.device_mesh.get_group("pp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
     def shard_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: dp_shard, or (dp_replicate, dp_shard) when both are used (hybrid)."""
         if self.dp_replicate > 1:

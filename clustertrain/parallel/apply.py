@@ -1,5 +1,5 @@
-"""The one entry to parallelism: on the meta model, TP -> activation checkpointing -> compile -> FSDP, then
-materialize; DDP last."""
+"""The one entry to parallelism: on the meta model, PP stage -> TP -> activation checkpointing -> compile ->
+FSDP, then materialize; DDP last."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.dist.mesh import Mesh
-from clustertrain.errors import ConfigError
 from clustertrain.parallel.ac import apply_activation_checkpointing
+from clustertrain.parallel.pp import check_pipeline, tie_weights_across_stages
+from clustertrain.parallel.stages import build_stage
 from clustertrain.parallel.tp import apply_tp
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,10 +31,14 @@ def parallelize(
     """Apply the layout to a meta-device `model` and materialize its weights.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
-    weights, so it wraps after `materialize`.
+    weights, so it wraps after `materialize`. With `parallel.pp > 1` the model is first cut down to this
+    rank's pipeline stage (`blocks` must come from the whole model), and that stage is returned.
     """
     if parallel.pp > 1:
-        raise ConfigError("parallel.pp > 1: pipeline parallelism is not available yet; use parallel.pp: 1")
+        from clustertrain.lora import is_lora
+
+        check_pipeline(parallel, is_lora(model))
+        model = build_stage(model, mesh.pp_rank, parallel.pp)
     if mesh.tp > 1:
         apply_tp(model, mesh.tp_mesh())
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
@@ -44,6 +49,8 @@ def parallelize(
     if wrapper == "fsdp":
         apply_fsdp(model, parallel, mesh, blocks)
     materialize(model)
+    if parallel.pp > 1:
+        tie_weights_across_stages(model, mesh)
     if wrapper == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
@@ -53,9 +60,10 @@ def data_parallel_wrapper(parallel: ParallelConfig, mesh: Mesh) -> str | None:
     """fsdp for the zero strategies and any tp-split model, ddp for replicas of a whole model, else None.
 
     Under tp, "ddp" is FSDP2 over (dp_replicate, dp_shard=1), which replicates: it also turns every
-    parameter into a DTensor, which the optimizer needs when some already are.
+    parameter into a DTensor, which the optimizer needs when some already are. Under pp it is the same,
+    because pipelining drives FSDP2's gradient sync across microbatches itself.
     """
-    if parallel.strategy != "ddp" or mesh.tp > 1:
+    if parallel.strategy != "ddp" or mesh.tp > 1 or (parallel.pp > 1 and mesh.dp_size > 1):
         return "fsdp"
     return "ddp" if mesh.dp_size > 1 else None
 

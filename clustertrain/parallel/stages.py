@@ -169,12 +169,17 @@ class PipelineStageModule(nn.Module):
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.layer_indices = layer_indices
         self.tied_names = tied_names
-        self._prefix, self._layers = kept.base_model_prefix, layout.layers
+        self.base_model_prefix, self._layers = kept.base_model_prefix, layout.layers
 
     @property
     def base(self) -> PreTrainedModel:
         """The (pruned) HF base model, e.g. `LlamaModel`."""
-        return getattr(self, self._prefix)
+        return getattr(self, self.base_model_prefix)
+
+    @property
+    def base_model(self) -> PreTrainedModel:
+        """The base model under HF's name for it, so code written for a whole HF model (tp plans) takes a stage."""
+        return self.base
 
     @property
     def layers(self) -> nn.ModuleDict:

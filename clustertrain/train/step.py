@@ -15,6 +15,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.parallel.pp import Pipeline
 
 
 @dataclass
@@ -97,18 +98,54 @@ def train_step(
     return StepResult(local_loss, total_tokens, grad_norm)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+def pipeline_train_step(
+    pipeline: Pipeline,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, torch.Tensor],
+    *,
+    dp_size: int,
+    dp_group: dist.ProcessGroup | None,
+    grad_clip: float,
+    autocast_dtype: torch.dtype | None = None,
+) -> StepResult:
+    """train_step under pipeline parallelism: one schedule step over this rank's rows, then the same loss,
+    clip and update, with tied copies summed first and the norm taken over every stage.
+
+    Returns:
+        the summed loss (on the last stage; 0 on the others), the global loss-token count, the global norm.
+    """
+    total_tokens = count_tokens(batch, dp_group)
+    with _autocast(batch["input_ids"].device, autocast_dtype):
+        local_loss = pipeline.step(batch, dp_size, total_tokens)
+    pipeline.sync_tied_grads()
+    grad_norm = clip_grad_norm(pipeline.module, grad_clip, pp_group=pipeline.mesh.pp_group,
+                               uncounted=pipeline.tied_copies)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(local_loss, total_tokens, grad_norm)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None,
+                   uncounted: list[nn.Parameter] = ()) -> torch.Tensor:
     """Clip to the global norm (sharded gradients reduce across ranks); 0 only measures it.
 
     Gradients may live on different meshes (tp-split linears on (dp, tp), the rest on dp, or plain
-    tensors), and a norm reduces only within one mesh, so each mesh's norm is taken on its own.
+    tensors), and a norm reduces only within one mesh, so each mesh's norm is taken on its own. Under
+    pipeline parallelism `pp_group` adds the other stages' norms, and `uncounted` names this stage's
+    copies of weights another stage also holds (tied heads): clipped, but counted only once.
     """
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in model.parameters():
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True) for params in by_mesh.values()]
+    skip = {id(p) for p in uncounted}
+    counted = [[p.grad for p in params if id(p) not in skip] for params in by_mesh.values()]
+    norms = [torch.nn.utils.get_total_norm(grads, foreach=True) for grads in counted if grads]
     norm = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
+    if pp_group is not None:
+        squared = norm.square()
+        dist.all_reduce(squared, group=pp_group)
+        norm = squared.sqrt()
     if max_norm > 0:
         with implicit_replication():  # the plain-tensor norm scales sharded gradients as a replicated scalar
             for params in by_mesh.values():
@@ -120,11 +157,17 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def global_mean_loss(result: StepResult, dp_group: dist.ProcessGroup | None) -> float:
-    """The mean loss over the global batch from each rank's summed loss."""
+def global_mean_loss(result: StepResult, dp_group: dist.ProcessGroup | None,
+                     pp_group: dist.ProcessGroup | None = None) -> float:
+    """The mean loss over the global batch from each rank's summed loss.
+
+    Under pipeline parallelism only the last stage has a loss (the others hold 0), so `pp_group` brings
+    it to every stage.
+    """
     total = result.loss_sum.clone()
-    if dp_group is not None:
-        dist.all_reduce(total, group=dp_group)
+    for group in (dp_group, pp_group):
+        if group is not None:
+            dist.all_reduce(total, group=group)
     return (total / result.tokens).item()
 
 

@@ -35,10 +35,11 @@ from clustertrain.model.estimate import count_params, model_flops_per_token, pea
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
 from clustertrain.model.weights import materialize
 from clustertrain.parallel.apply import DTYPES, autocast_dtype, parallelize, unwrap
+from clustertrain.parallel.pp import Pipeline, pipeline_microbatches
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.status import write_status
-from clustertrain.train.step import StepResult, global_mean_loss, token_loss_sum, train_step
+from clustertrain.train.step import StepResult, global_mean_loss, pipeline_train_step, token_loss_sum, train_step
 
 
 @dataclass
@@ -86,7 +87,11 @@ class Trainer:
             cfg.data, self.tokenizer, cfg.train.global_batch_size, self.data_seed, cache_root(cfg.data)
         ))  # rank 0 first: it writes the source indexes the others then read
         self.loader = self._loader("train")
-        self.micro_batch_size = micro_batch_size(cfg, self.mesh.dp_size)
+        if cfg.parallel.pp > 1:
+            self.microbatches = pipeline_microbatches(cfg, self.mesh.dp_size)
+            self.micro_batch_size = cfg.train.global_batch_size // self.mesh.dp_size // self.microbatches
+        else:
+            self.micro_batch_size = micro_batch_size(cfg, self.mesh.dp_size)
         self.audit = AuditLog(self.run_dir / "samples.jsonl", self.plan.labels) if cfg.data.audit else None
         self.mixture: Counter = Counter()
 
@@ -97,7 +102,10 @@ class Trainer:
         self.model = parallelize(
             meta, cfg.parallel, self.mesh, self.device, block_classes(meta),
             materialize=lambda m: materialize(m, self.device, cfg.train.seed, self.snapshot),
-        )
+        )  # with parallel.pp > 1: this rank's pipeline stage
+        self.pipeline = None
+        if cfg.parallel.pp > 1:
+            self.pipeline = Pipeline(self.model, cfg.parallel, self.mesh, self.device, self.microbatches)
         # The largest rank's peak memory once the weights are in place: what loading the model cost.
         peak = torch.tensor([memory_gb(self.device)], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -195,11 +203,17 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
             batch = self._next_batch(self.loader)
-            result = train_step(
-                self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
-                dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip,
-                autocast_dtype=self._autocast, scaler=self.scaler,
-            )
+            if self.pipeline:
+                result = pipeline_train_step(
+                    self.pipeline, self.optimizer, batch, dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group,
+                    grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast,
+                )
+            else:
+                result = train_step(
+                    self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
+                    dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip,
+                    autocast_dtype=self._autocast, scaler=self.scaler,
+                )
             self.step += 1
             self.tokens_seen += self.tokens_per_step
             if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
@@ -251,12 +265,15 @@ class Trainer:
             summary.last_loss = curve[-1]["loss"] if curve else None
         if self.audit:
             self.audit.close()
-        if self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
+        if self.pipeline and self.config.train.sample_tokens:
+            self.logger.info("train.sample_tokens: no sample under parallel.pp > 1 (generation through a pipeline "
+                             "is not available yet); `clustertrain generate` on the checkpoint works")
+        elif self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
             summary.sample = self.sample("def ", self.config.train.sample_tokens)
         return summary
 
     def _log(self, result: StepResult) -> None:
-        loss = global_mean_loss(result, self.mesh.dp_group)
+        loss = global_mean_loss(result, self.mesh.dp_group, self._pp_group())
         elapsed, steps = self._timer.elapsed(self.step)
         tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
         world = dist.get_world_size()
@@ -276,6 +293,9 @@ class Trainer:
             **self._data_metrics(),
         })
         self._timer.reset(self.step)
+
+    def _pp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.pp_group if self.pipeline else None
 
     def _data_metrics(self) -> dict[str, float]:
         """Realized mixture proportions (share of tokens per source so far) and skipped bad records, global."""
@@ -297,9 +317,16 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)
         for _ in range(self.config.train.eval_batches):
             batch = self._next_batch(loader)
-            totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
+            if self.pipeline:  # the last stage's loss; 0 on the others, summed over the pipeline below
+                totals[0] += self.pipeline.eval_loss_sum(batch)
+            else:
+                totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
             totals[1] += batch["labels"].ne(IGNORE_INDEX).sum()
         dist.all_reduce(totals, group=self.mesh.dp_group)
+        if self.pipeline:
+            loss_sum = totals[0].clone()
+            dist.all_reduce(loss_sum, group=self.mesh.pp_group)
+            totals[0] = loss_sum
         self.model.train()
         loss = (totals[0] / totals[1]).item()
         self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
@@ -386,7 +413,9 @@ class Trainer:
             f"{self.info.world_size} rank(s) on {self.info.world_size // self.info.local_world_size} node(s) "
             f"via {self.info.launcher} on {self.device.type}, "
             f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard}, "
-            f"tp={self.mesh.tp})"
+            f"tp={self.mesh.tp}"
+            + (f", pp={self.mesh.pp} {cfg.parallel.pp_schedule} x {self.microbatches} microbatches"
+               if self.pipeline else "") + ")"
         )
         self.logger.info(
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import TINY, losses, run_cli, train
+from helpers import TINY, grad_norms, losses, run_cli, train
 
 from clustertrain.train.metrics import read_jsonl
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.dist
 # Activations outweigh weights here: 8 blocks of width 128 at 512 tokens, 8 sequences per micro-batch.
 DEEP = ("model.config={hidden_size: 128, intermediate_size: 256, num_hidden_layers: 8, num_attention_heads: 4, "
         "num_key_value_heads: 4, max_position_embeddings: 512}", "data.seq_len=512", "train.global_batch_size=8",
-        "train.micro_batch_size=8", "train.steps=3")
+        "train.micro_batch_size=8", "train.steps=2")
 
 
 def peak_gb(run_dir) -> float:
@@ -35,9 +35,6 @@ OPT = ("model.arch=opt", "model.config={hidden_size: 64, ffn_dim: 128, num_hidde
        "word_embed_proj_dim: 64, max_position_embeddings: 256, dropout: 0.0, attention_dropout: 0.0}")
 LORA = ("lora.rank=4", "lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0")
 
-
-def grad_norms(run_dir) -> dict[int, float]:
-    return {r["step"]: r["grad_norm"] for r in read_jsonl(run_dir / "metrics.jsonl") if "grad_norm" in r}
 
 
 @pytest.mark.parametrize("overrides", [OPT, LORA], ids=["opt-own-plan", "lora"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import losses, run_cli, train, TINY
+from helpers import TINY, LayoutRuns, grad_norms, losses, run_cli, train
 
 pytestmark = pytest.mark.dist
 
@@ -29,23 +29,9 @@ LAYOUTS = {
 FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith(("bf16", "fp16"))]
 
 
-class Runs(dict):
-    """Each layout trained uninterrupted for 10 steps (same global batch and seed), on first use."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self.tmp_path_factory = tmp_path_factory
-
-    def __missing__(self, name):
-        run_dir = self.tmp_path_factory.mktemp(name)
-        train(run_dir, *STEPS, *LAYOUTS[name]["overrides"], nproc=LAYOUTS[name]["nproc"])
-        self[name] = run_dir
-        return run_dir
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory)
+    return LayoutRuns(tmp_path_factory, LAYOUTS, *STEPS)
 
 
 @pytest.mark.parametrize("name", FP32)
@@ -57,11 +43,6 @@ def test_layout_matches_one_rank(runs, name):
     for step in range(1, 6):
         assert other[step] == pytest.approx(reference[step], rel=1e-5), f"grad norm, step {step}"
 
-
-def grad_norms(run_dir) -> dict[int, float]:
-    from clustertrain.train.metrics import read_jsonl
-
-    return {r["step"]: r["grad_norm"] for r in read_jsonl(run_dir / "metrics.jsonl") if "grad_norm" in r}
 
 
 @pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16", "zero3_fp16"])
