@@ -37,7 +37,10 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig, base_dtype: torch.dtype
 
 
 def is_lora(model: nn.Module) -> bool:
-    return isinstance(model, peft.PeftModel)
+    """A peft-wrapped model, or a pipeline stage of one."""
+    from clustertrain.parallel.stages import LoraStage
+
+    return isinstance(model, (peft.PeftModel, LoraStage))
 
 
 def hf_name(name: str) -> str:

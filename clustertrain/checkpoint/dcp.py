@@ -59,11 +59,13 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, async_group=None):
+def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], optimizer, async_group=None):
     """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
 
-    With `async_group` (a process group of its own, so background collectives never interleave with
-    training's) the writes go on in the background and a Future is returned; otherwise None, when done.
+    `model` may be a rank's list of pipeline stages, with its StageOptimizers: their state dicts, keyed by
+    full-model names, are saved as one. With `async_group` (a process group of its own, so background
+    collectives never interleave with training's) the writes go on in the background and a Future is
+    returned; otherwise None, when done.
     """
     tmp = root / f".tmp-{step_dir_name(step)}"
     if dist.get_rank() == 0:
@@ -71,8 +73,11 @@ def write_shards(root: Path, step: int, model: nn.Module, optimizer: Optimizer, 
         tmp.mkdir(parents=True)
     dist.barrier()
     _write_json(tmp / f"rng-{dist.get_rank()}.json", rng_state())
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": _rename_optim_state(optim_state, _tied_copies(model))}
+    parts = _parts(model, optimizer)
+    states = [get_state_dict(module, optim) for module, optim in parts]
+    state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
+             "optim": _merge_optim([_rename_optim_state(optim_state, _tied_copies(module))
+                                    for (module, _), (_, optim_state) in zip(parts, states)])}
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
         return None
@@ -143,22 +148,37 @@ def _step(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
-def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -> dict[str, Any]:
-    """Load a checkpoint into this run's (possibly differently sharded) model and optimizer."""
+def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer) -> dict[str, Any]:
+    """Load a checkpoint into this run's (possibly differently sharded) model and optimizer.
+
+    `model` may be a rank's list of pipeline stages, with its StageOptimizers (see write_shards).
+    """
     if not (path / TRAIN_STATE).exists():
         raise CheckpointError(f"{path} is not a complete clustertrain checkpoint (no {TRAIN_STATE})")
     has_optim = any(k.startswith("optim") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    parts = _parts(model, optimizer)
     if optimizer is None or not has_optim:  # an imported HF model: weights only, fresh optimizer
-        model_state = get_state_dict(model, [])[0]
-        dcp.load({"model": model_state}, checkpoint_id=path, planner=SafeLoadPlanner())
-        set_state_dict(model, [], model_state_dict=model_state, optim_state_dict={})
+        model_states = [get_state_dict(module, [])[0] for module, _ in parts]
+        merged = {k: v for model_state in model_states for k, v in model_state.items()}
+        dcp.load({"model": merged}, checkpoint_id=path, planner=SafeLoadPlanner())  # in place: shared tensors
+        for (module, _), model_state in zip(parts, model_states):
+            set_state_dict(module, [], model_state_dict=model_state, optim_state_dict={})
     else:
-        model_state, optim_state = get_state_dict(model, optimizer)
-        copies = _tied_copies(model)
-        state = {"model": model_state, "optim": _rename_optim_state(optim_state, copies)}
+        states = [get_state_dict(module, optim) for module, optim in parts]
+        renamed = [_rename_optim_state(optim_state, _tied_copies(module))
+                   for (module, _), (_, optim_state) in zip(parts, states)]
+        state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
+                 "optim": _merge_optim(renamed)}
         dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
-        optim_state = _rename_optim_state(state["optim"], {v: k for k, v in copies.items()})
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
+        loaded = state["optim"]
+        for (module, optim), (model_state, _), own in zip(parts, states, renamed):
+            # each optimizer keeps its own parameters, with the saved hyperparameters of their group
+            groups = [{**(loaded["param_groups"][j] if j < len(loaded["param_groups"]) else {}),
+                       "params": group["params"]} for j, group in enumerate(own["param_groups"])]
+            optim_state = {"state": {k: loaded["state"][k] for k in own["state"]}, "param_groups": groups}
+            copies = _tied_copies(module)
+            optim_state = _rename_optim_state(optim_state, {v: k for k, v in copies.items()})
+            set_state_dict(module, optim, model_state_dict=model_state, optim_state_dict=optim_state)
     rng = path / f"rng-{dist.get_rank() if dist.is_initialized() else 0}.json"
     if rng.exists():  # a rank that did not exist in the saving run keeps its seeded state
         set_rng_state(json.loads(rng.read_text()))
@@ -166,6 +186,28 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: Optimizer | None) -
         return json.loads((path / TRAIN_STATE).read_text())
     except json.JSONDecodeError:
         raise CheckpointError(f"{path / TRAIN_STATE} is damaged (not JSON); resume from an earlier checkpoint") from None
+
+
+def _parts(model: nn.Module | list[nn.Module], optimizer) -> list[tuple[nn.Module, Optimizer | None]]:
+    """(module, its optimizer) pairs: one for a whole model, one per stage for a rank's pipeline stages."""
+    modules = model if isinstance(model, list) else [model]
+    optimizers = getattr(optimizer, "optimizers", None) or [optimizer] * len(modules)
+    assert len(optimizers) == len(modules), "one optimizer per pipeline stage"
+    return list(zip(modules, optimizers))
+
+
+def _merge_optim(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stage optimizers' states as one optimizer's: the union of states, group j's parameters joined, so a
+    checkpoint holds as many param groups under any pipeline layout (DCP stores each group by index)."""
+    groups: list[dict[str, Any]] = []
+    for optim_state in states:
+        for j, group in enumerate(optim_state["param_groups"]):
+            if j < len(groups):
+                groups[j] = {**groups[j], "params": [*groups[j]["params"], *group["params"]]}
+            else:
+                groups.append(dict(group))
+    return {"state": {k: v for optim_state in states for k, v in optim_state["state"].items()},
+            "param_groups": groups}
 
 
 def _tied_copies(model: nn.Module) -> dict[str, str]:

@@ -155,11 +155,16 @@ class ParallelConfig(Section):
     )
     tp: int = Field(1, gt=0, description="Tensor-parallel degree: each block's linears split over this many ranks "
                     "(the model's own `base_model_tp_plan`).")
-    pp: int = Field(1, gt=0, description="Pipeline-parallel degree: the decoder layers split into this many stages, "
-                    "one per rank.")
+    pp: int = Field(1, gt=0, description="Pipeline-parallel degree: the decoder layers split over this many ranks, "
+                    "one stage per rank (pp_stages_per_rank under interleaved_1f1b).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b", description="Pipeline schedule (with pp > 1): all forwards then all backwards (gpipe), or one forward "
-        "one backward (1f1b, less activation memory); interleaved_1f1b is not available yet.",
+        "one backward (1f1b, less activation memory), or 1f1b over several stages per rank (interleaved_1f1b, a "
+        "smaller pipeline bubble).",
+    )
+    pp_stages_per_rank: int = Field(
+        2, gt=0,
+        description="Stages per rank under interleaved_1f1b (stage s on rank s % pp); other schedules run one.",
     )
     microbatches: int | None = Field(
         None, gt=0, description="Microbatches per step with pp > 1: each rank's share of the global batch is split into "

@@ -45,7 +45,7 @@ class Mesh:
 
     @property
     def pp_rank(self) -> int:
-        """This rank's pipeline stage (one stage per rank)."""
+        """This rank's place in the pipeline: it holds stage pp_rank (and pp_rank + pp, ... when interleaved)."""
         return self.device_mesh.get_local_rank("pp")
 
     @property

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.dist.mesh import Mesh
 from clustertrain.parallel.ac import apply_activation_checkpointing
-from clustertrain.parallel.pp import check_pipeline, tie_weights_across_stages
+from clustertrain.parallel.pp import stage_indices, tie_weights_across_stages
 from clustertrain.parallel.stages import build_stage
 from clustertrain.parallel.tp import apply_tp
 
@@ -27,18 +27,24 @@ def parallelize(
     device: torch.device,
     blocks: tuple[type[nn.Module], ...],
     materialize: Callable[[nn.Module], None],
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Apply the layout to a meta-device `model` and materialize its weights.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
-    weights, so it wraps after `materialize`. With `parallel.pp > 1` the model is first cut down to this
-    rank's pipeline stage (`blocks` must come from the whole model), and that stage is returned.
+    weights, so it wraps after `materialize`. With `parallel.pp > 1` the model is first cut into this
+    rank's pipeline stages (`blocks` must come from the whole model), and the list of them is returned,
+    each stage laid out as a whole model would be.
     """
     if parallel.pp > 1:
-        from clustertrain.lora import is_lora
+        indices, num_stages = stage_indices(parallel, mesh.pp_rank)
+        stages = [_parallelize(build_stage(model, s, num_stages), parallel, mesh, device, blocks, materialize)
+                  for s in indices]
+        tie_weights_across_stages(stages, mesh)
+        return stages
+    return _parallelize(model, parallel, mesh, device, blocks, materialize)
 
-        check_pipeline(parallel, is_lora(model))
-        model = build_stage(model, mesh.pp_rank, parallel.pp)
+
+def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Module:
     if mesh.tp > 1:
         apply_tp(model, mesh.tp_mesh())
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
@@ -49,8 +55,6 @@ def parallelize(
     if wrapper == "fsdp":
         apply_fsdp(model, parallel, mesh, blocks)
     materialize(model)
-    if parallel.pp > 1:
-        tie_weights_across_stages(model, mesh)
     if wrapper == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model

@@ -1,10 +1,14 @@
-"""Pipeline parallelism, one stage per rank: this rank's stage module, its schedule, and the tied weights
-that the first and last stage each hold a copy of.
+"""Pipeline parallelism: this rank's stage modules, their schedule, and the tied weights that the first and
+last stage each hold a copy of.
 
-    stage = parallelize(meta, parallel, mesh, ...)  # with parallel.pp > 1: this rank's PipelineStageModule
-    pipeline = Pipeline(stage, parallel, mesh, device, microbatches)
+    stages = parallelize(meta, parallel, mesh, ...)  # with parallel.pp > 1: this rank's PipelineStageModules
+    pipeline = Pipeline(stages, parallel, mesh, device, microbatches)
     loss_sum = pipeline.step(batch, dp_size, total_tokens)  # forward and backward of this rank's rows
     pipeline.sync_tied_grads()                               # before clipping
+
+gpipe and 1f1b run one stage per rank; interleaved_1f1b runs `parallel.pp_stages_per_rank`, stage s of
+pp × stages-per-rank on rank s % pp (the loop order torch's ScheduleInterleaved1F1B expects). Either way
+stage 0 is on pp rank 0 and the last stage on pp rank pp - 1.
 
 Every stage of a pipeline reads the same rows (ranks that differ only in pp share data); stage 0 feeds
 the input ids, the last stage the labels, and only the last stage computes a loss.
@@ -15,53 +19,59 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from clustertrain.config.schema import ParallelConfig, RunConfig
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.dist.mesh import Mesh
 from clustertrain.errors import ConfigError
-from clustertrain.parallel.stages import PipelineStageModule
 
-# Schedules that run one stage per rank. interleaved_1f1b needs several stages per rank (a list of
-# PipelineStage and build_stage over pp × stages-per-rank stages); it goes here once that is wired.
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+INTERLEAVED = {"interleaved_1f1b"}
 
 
-def check_pipeline(parallel: ParallelConfig, lora: bool) -> None:
-    """One-line errors for what pipeline parallelism does not support yet."""
-    if parallel.pp_schedule not in SCHEDULES:
-        raise ConfigError(f"parallel.pp_schedule = {parallel.pp_schedule!r} is not available yet; "
-                          f"use one of {sorted(SCHEDULES)}")
-    if lora:
-        raise ConfigError("lora with parallel.pp > 1 is not available yet; use parallel.pp: 1 for LoRA")
-    if parallel.param_dtype == "float16":
-        raise ConfigError("parallel.param_dtype = float16 with parallel.pp > 1 is not available yet (loss scaling); "
-                          "use bfloat16 or float32")
+def stage_indices(parallel: ParallelConfig, pp_rank: int) -> tuple[list[int], int]:
+    """The stages this pp rank holds (ascending) and the number of stages in the pipeline."""
+    per_rank = parallel.pp_stages_per_rank if parallel.pp_schedule in INTERLEAVED else 1
+    num_stages = parallel.pp * per_rank
+    return list(range(pp_rank, num_stages, parallel.pp)), num_stages
 
 
 def pipeline_microbatches(cfg: RunConfig, dp_size: int) -> int:
-    """Microbatches per step: parallel.microbatches (default pp), which must divide each rank's rows."""
+    """Microbatches per step: parallel.microbatches (default pp), which must divide each rank's rows.
+
+    Under interleaved_1f1b torch also runs them in rounds of pp: the count must be a multiple of
+    max(1, count // pp).
+    """
     per_rank = cfg.train.global_batch_size // dp_size
-    count = cfg.parallel.microbatches or cfg.parallel.pp
-    if per_rank % count:
-        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        raise ConfigError(
-            f"parallel.microbatches = {count} does not divide the {per_rank} sequences each of the {dp_size} "
-            f"data-parallel ranks gets per step (train.global_batch_size = {cfg.train.global_batch_size}); "
-            f"use one of {divisors}"
-        )
+    pp = cfg.parallel.pp
+    count = cfg.parallel.microbatches or pp
+    interleaved = cfg.parallel.pp_schedule in INTERLEAVED
+
+    def fits(n: int) -> bool:
+        return per_rank % n == 0 and (not interleaved or n % max(1, n // pp) == 0)
+
+    if not fits(count):
+        if per_rank % count:
+            problem = (f"does not divide the {per_rank} sequences each of the {dp_size} data-parallel ranks gets per "
+                       f"step (train.global_batch_size = {cfg.train.global_batch_size})")
+        else:  # torch's ScheduleInterleaved1F1B runs max(1, n // pp) rounds of equal size
+            problem = f"is not a multiple of max(1, microbatches // pp) = {count // pp}, as interleaved_1f1b needs"
+        raise ConfigError(f"parallel.microbatches = {count} {problem}; use one of "
+                          f"{[n for n in range(1, per_rank + 1) if fits(n)]}")
     return count
 
 
 @torch.no_grad()
-def tie_weights_across_stages(stage: PipelineStageModule, mesh: Mesh) -> None:
+def tie_weights_across_stages(stages: list[nn.Module], mesh: Mesh) -> None:
     """Copy the first stage's embedding into the last stage's head wherever the full model ties them."""
-    for head, embedding in stage.tied_names:
-        if mesh.is_first_stage:
-            dist.send(_local(stage.get_parameter(embedding)), group=mesh.pp_group, group_dst=mesh.pp - 1)
-        elif mesh.is_last_stage:
-            dist.recv(_local(stage.get_parameter(head)), group=mesh.pp_group, group_src=0)
+    for stage in stages:
+        for head, embedding in stage.tied_names:
+            if stage.is_first:
+                dist.send(_local(stage.get_parameter(embedding)), group=mesh.pp_group, group_dst=mesh.pp - 1)
+            elif stage.is_last:
+                dist.recv(_local(stage.get_parameter(head)), group=mesh.pp_group, group_src=0)
 
 
 def scaled_token_loss(logits: torch.Tensor, labels: torch.Tensor, dp_size: int, total_tokens: torch.Tensor):
@@ -72,33 +82,39 @@ def scaled_token_loss(logits: torch.Tensor, labels: torch.Tensor, dp_size: int, 
 
 
 class Pipeline:
-    """This rank's stage with its schedule; `module` is what the optimizer and checkpoints see.
+    """This rank's stages with their schedule; `stages` are what the optimizer and checkpoints see.
 
     Attributes:
-        module: the stage module (FSDP-wrapped when data-parallel), full-model parameter names.
+        stages: this rank's stage modules (FSDP-wrapped when data-parallel), full-model parameter names,
+            in ascending stage order.
         tied_copies: the last stage's copies of tied weights: clipped, but left out of the norm (the first
             stage's copy counts them once, as the full model does).
     """
 
-    def __init__(self, module: PipelineStageModule, parallel: ParallelConfig, mesh: Mesh, device: torch.device,
+    def __init__(self, stages: list[nn.Module], parallel: ParallelConfig, mesh: Mesh, device: torch.device,
                  microbatches: int):
-        self.module, self.mesh, self.microbatches = module, mesh, microbatches
-        self.stage = PipelineStage(module, mesh.pp_rank, mesh.pp, device, group=mesh.pp_group)
+        self.stages, self.mesh, self.microbatches = stages, mesh, microbatches
+        pipes = [PipelineStage(m, m.stage_index, m.num_stages, device, group=mesh.pp_group) for m in stages]
+        schedule = SCHEDULES[parallel.pp_schedule]
         # scale_grads=False: the loss is already a sum over the global batch divided by its token count.
-        self.schedule = SCHEDULES[parallel.pp_schedule](
-            self.stage, n_microbatches=microbatches, loss_fn=scaled_token_loss, scale_grads=False
-        )
-        # this stage's copy of each tied pair: the embedding on the first stage, the head on the last
-        names = [embedding if mesh.is_first_stage else head for head, embedding in module.tied_names]
-        self._tied = [module.get_parameter(name) for name in names] if mesh.is_first_stage or mesh.is_last_stage else []
-        self.tied_copies = self._tied if mesh.is_last_stage else []
+        self.schedule = schedule(pipes if parallel.pp_schedule in INTERLEAVED else pipes[0],
+                                 n_microbatches=microbatches, loss_fn=scaled_token_loss, scale_grads=False)
+        # this rank's copy of each tied pair: the embedding on the first stage, the head on the last; frozen
+        # (LoRA's base) weights take no gradient
+        first = [m.get_parameter(embedding) for m in stages if m.is_first for _, embedding in m.tied_names]
+        self.tied_copies = [m.get_parameter(head) for m in stages if m.is_last for head, _ in m.tied_names]
+        self._tied = [p for p in first + self.tied_copies if p.requires_grad]
 
-    def step(self, batch: dict[str, torch.Tensor], dp_size: int, total_tokens: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of this rank's rows through the pipeline.
+    def step(self, batch: dict[str, torch.Tensor], dp_size: int, total_tokens: torch.Tensor,
+             loss_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward and backward of this rank's rows through the pipeline; the backward of the loss times
+        `loss_scale` (float16's loss scaling) when given.
 
         Returns:
-            the summed token loss on the last stage, 0 on the others.
+            the summed token loss on the last stage (unscaled), 0 on the others.
         """
+        if loss_scale is not None:  # dividing the token count scales every microbatch's loss alike
+            total_tokens = total_tokens / loss_scale
         return self._run(self.schedule.step, batch, dp_size, total_tokens)
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -126,7 +142,7 @@ class Pipeline:
         """Sum the gradients of tied copies between the first and last stage, so both take the same update."""
         if not self._tied:
             return
-        peer = self.mesh.pp - 1 if self.mesh.is_first_stage else 0
+        peer = self.mesh.pp - 1 if self.mesh.is_first_stage else 0  # stage 0 on pp rank 0, the last on pp - 1
         for param in self._tied:
             grad = _local(param.grad)
             theirs = torch.empty_like(grad)

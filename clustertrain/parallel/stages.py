@@ -29,6 +29,10 @@ trainer must make both copies equal after materializing (copy the first stage's 
 stage's head: initialization is seeded by module name, and HF snapshots of tied models store only the
 embedding) and sum their gradients between the first and last stage before each update.
 
+LoRA: pass the peft-wrapped model (`peft.PeftModel`). The stage is then a `LoraStage`, which holds the
+stage under peft's prefix, so its names are the PeftModel's (`base_model.model.model.layers.3.self_attn.
+q_proj.lora_A.default.weight`) and LoRA checkpoints move between pp and no pp, and export as an adapter.
+
 With clustertrain's loss (summed, divided by the global token count) pass `scale_grads=False` to the
 schedule: by default it also divides the gradients by the number of microbatches.
 """
@@ -105,8 +109,10 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
     return [range(start, end) for start, end in zip(starts, starts[1:])]
 
 
-def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> PipelineStageModule:
+def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> PipelineStageModule | LoraStage:
     """Stage `stage_index` of `num_stages` of the causal LM `model` (any device, meta included; left unchanged).
+
+    A peft-wrapped `model` gives a `LoraStage` under peft's parameter names.
 
     The stage is a deep copy of only the modules it keeps, so building on the meta device allocates
     nothing, and building from a real model copies only this stage's weights.
@@ -114,8 +120,12 @@ def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> Pi
     Raises:
         ConfigError: the architecture is not supported, or there are more stages than layers.
     """
+    from clustertrain.lora import is_lora
+
+    if is_lora(model):
+        return LoraStage(build_stage(model.get_base_model(), stage_index, num_stages))
     if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"build_stage needs a Hugging Face model, got {type(model).__name__} (split before LoRA)")
+        raise TypeError(f"build_stage needs a Hugging Face model, got {type(model).__name__}")
     config = model.config
     stage_class = _STAGE_CLASSES.get(config.model_type)
     plan = pipeline_plan(config)
@@ -210,6 +220,35 @@ class PipelineStageModule(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+
+class LoraStage(nn.Module):
+    """A stage of a peft-wrapped model, under peft's names: `base_model.model.<the stage's name>`.
+
+    Stands in for the PeftModel wherever clustertrain handles one (`clustertrain.lora.is_lora`): tensor
+    parallelism, snapshot loading and `start_as_identity` reach the stage through `get_base_model()`.
+    """
+
+    def __init__(self, stage: PipelineStageModule):
+        super().__init__()
+        self.base_model = nn.Module()
+        self.base_model.model = stage
+        self.config = stage.config
+        self.stage_index, self.num_stages = stage.stage_index, stage.num_stages
+        self.is_first, self.is_last = stage.is_first, stage.is_last
+        self.layer_indices = stage.layer_indices
+        self.tied_names = [(f"base_model.model.{head}", f"base_model.model.{embedding}")
+                           for head, embedding in stage.tied_names]
+
+    def get_base_model(self) -> PipelineStageModule:
+        """The stage itself, as `PeftModel.get_base_model()` gives the HF model."""
+        return self.base_model.model
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
+        return self.base_model.model(x, position_ids)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        self.base_model.model._init_weights(module)
 
 
 # The forwards below mirror transformers 5.x `LlamaModel` (and its kin), `GPT2Model` and `OPTDecoder`,

@@ -10,8 +10,37 @@ from torch import nn
 from clustertrain.config.schema import OptimConfig
 
 
-def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: matrices decay, vectors (norms, biases) do not (as in nanoGPT)."""
+class StageOptimizers:
+    """One AdamW per pipeline stage of this rank, used as one optimizer (param_groups, step, zero_grad).
+
+    Checkpoints need one optimizer per module (torch's `get_state_dict(module, optimizer)`), and a rank
+    holds several stage modules under interleaved schedules.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def build_optimizer(model: nn.Module | list[nn.Module], optim: OptimConfig,
+                    device: torch.device) -> torch.optim.AdamW | StageOptimizers:
+    """AdamW over the trainable parameters: matrices decay, vectors (norms, biases) do not (as in nanoGPT).
+
+    A list of pipeline stages gets one AdamW each, in a StageOptimizers.
+    """
+    if isinstance(model, list):
+        return StageOptimizers([build_optimizer(stage, optim, device) for stage in model])
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},

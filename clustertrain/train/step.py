@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.parallel.pp import Pipeline
+from clustertrain.train.optim import StageOptimizers
 
 
 @dataclass
@@ -100,42 +101,56 @@ def train_step(
 
 def pipeline_train_step(
     pipeline: Pipeline,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | StageOptimizers,
     batch: dict[str, torch.Tensor],
     *,
     dp_size: int,
     dp_group: dist.ProcessGroup | None,
     grad_clip: float,
     autocast_dtype: torch.dtype | None = None,
+    scaler: ShardedGradScaler | None = None,
 ) -> StepResult:
     """train_step under pipeline parallelism: one schedule step over this rank's rows, then the same loss,
     clip and update, with tied copies summed first and the norm taken over every stage.
+
+    Under float16 `scaler` treats the rank's stage optimizers as one (StageOptimizers has param_groups and
+    step), and agrees on skipping a step with every rank of the world, the other stages included.
 
     Returns:
         the summed loss (on the last stage; 0 on the others), the global loss-token count, the global norm.
     """
     total_tokens = count_tokens(batch, dp_group)
-    with _autocast(batch["input_ids"].device, autocast_dtype):
-        local_loss = pipeline.step(batch, dp_size, total_tokens)
+    device = batch["input_ids"].device
+    loss_scale = scaler.scale(torch.ones((), device=device)) if scaler else None
+    with _autocast(device, autocast_dtype):
+        local_loss = pipeline.step(batch, dp_size, total_tokens, loss_scale)
     pipeline.sync_tied_grads()
-    grad_norm = clip_grad_norm(pipeline.module, grad_clip, pp_group=pipeline.mesh.pp_group,
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm(pipeline.stages, grad_clip, pp_group=pipeline.mesh.pp_group,
                                uncounted=pipeline.tied_copies)
-    optimizer.step()
+    if scaler:
+        scaler.step(optimizer)  # skipped when a gradient is inf or NaN on any rank
+        scaler.update()
+    else:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(local_loss, total_tokens, grad_norm)
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, pp_group: dist.ProcessGroup | None = None,
+def clip_grad_norm(model: nn.Module | list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None = None,
                    uncounted: list[nn.Parameter] = ()) -> torch.Tensor:
     """Clip to the global norm (sharded gradients reduce across ranks); 0 only measures it.
 
     Gradients may live on different meshes (tp-split linears on (dp, tp), the rest on dp, or plain
     tensors), and a norm reduces only within one mesh, so each mesh's norm is taken on its own. Under
-    pipeline parallelism `pp_group` adds the other stages' norms, and `uncounted` names this stage's
-    copies of weights another stage also holds (tied heads): clipped, but counted only once.
+    pipeline parallelism `model` is this rank's list of stages, `pp_group` adds the other ranks' norms,
+    and `uncounted` names this rank's copies of weights another stage also holds (tied heads): clipped,
+    but counted only once.
     """
+    modules = model if isinstance(model, list) else [model]
     by_mesh: dict[object, list[nn.Parameter]] = {}
-    for p in model.parameters():
+    for p in (p for module in modules for p in module.parameters()):
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     skip = {id(p) for p in uncounted}

@@ -102,7 +102,7 @@ class Trainer:
         self.model = parallelize(
             meta, cfg.parallel, self.mesh, self.device, block_classes(meta),
             materialize=lambda m: materialize(m, self.device, cfg.train.seed, self.snapshot),
-        )  # with parallel.pp > 1: this rank's pipeline stage
+        )  # with parallel.pp > 1: the list of this rank's pipeline stages
         self.pipeline = None
         if cfg.parallel.pp > 1:
             self.pipeline = Pipeline(self.model, cfg.parallel, self.mesh, self.device, self.microbatches)
@@ -206,7 +206,7 @@ class Trainer:
             if self.pipeline:
                 result = pipeline_train_step(
                     self.pipeline, self.optimizer, batch, dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group,
-                    grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast,
+                    grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast, scaler=self.scaler,
                 )
             else:
                 result = train_step(
@@ -294,6 +294,10 @@ class Trainer:
         })
         self._timer.reset(self.step)
 
+    def _model_parts(self) -> list[torch.nn.Module]:
+        """The model, or this rank's pipeline stages."""
+        return self.model if isinstance(self.model, list) else [self.model]
+
     def _pp_group(self) -> dist.ProcessGroup | None:
         return self.mesh.pp_group if self.pipeline else None
 
@@ -312,7 +316,8 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> float:
         """Mean loss and perplexity over `train.eval_batches` held-out global batches."""
-        self.model.eval()
+        for part in self._model_parts():
+            part.eval()
         loader = self._loader("eval")
         totals = torch.zeros(2, device=self.device)
         for _ in range(self.config.train.eval_batches):
@@ -327,7 +332,8 @@ class Trainer:
             loss_sum = totals[0].clone()
             dist.all_reduce(loss_sum, group=self.mesh.pp_group)
             totals[0] = loss_sum
-        self.model.train()
+        for part in self._model_parts():
+            part.train()
         loss = (totals[0] / totals[1]).item()
         self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
         self._timer.reset(self.step)  # evaluation time is not training throughput
@@ -414,8 +420,8 @@ class Trainer:
             f"via {self.info.launcher} on {self.device.type}, "
             f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard}, "
             f"tp={self.mesh.tp}"
-            + (f", pp={self.mesh.pp} {cfg.parallel.pp_schedule} x {self.microbatches} microbatches"
-               if self.pipeline else "") + ")"
+            + (f", pp={self.mesh.pp} {cfg.parallel.pp_schedule} x {self.microbatches} microbatches, "
+               f"{len(self.model)} stage(s) per rank" if self.pipeline else "") + ")"
         )
         self.logger.info(
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "

@@ -189,6 +189,14 @@ def test_shipped_sft_recipes_run_on_tiny_stand_ins(tmp_path, snapshot):
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(losses(tmp_path / "gpt2-run")) == 3
 
+    opt = make_snapshot(tmp_path / "opt", "opt")  # pipeline parallel + LoRA + float16, as the recipe sets
+    result = run_cli("train", "configs/opt-pp-lora-cpu.yaml", "--nproc=2", *[f"--set={o}" for o in (
+        "model.hub_id=null", f"model.path={opt}", f"data.sources=[{{path: '{tmp_path / 'text'}/*.txt', "
+        "text_unit: block}]", f"train.run_dir={tmp_path / 'opt-run'}", "train.eval_every=0",
+        *[o for o in tiny if not o.startswith("parallel.param_dtype")], "parallel.microbatches=2")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(losses(tmp_path / "opt-run")) == 3
+
 
 def test_hub_id_resolves_in_the_offline_cache_that_download_filled(tmp_path, snapshot):
     env = {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}

@@ -174,3 +174,17 @@ def test_unsupported_architectures_are_one_line_config_errors():
     assert "embed_tokens" in pipeline_plan(granite.config)
     message = one_line_error(lambda: build_stage(granite, 0, 2))
     assert "'granite'" in message and "pipeline parallel is not supported" in message
+
+
+def test_lora_stages_keep_peft_names_and_frozen_base():
+    from clustertrain.config.schema import LoraConfig
+    from clustertrain.lora import apply_lora, is_lora
+
+    peft_model = apply_lora(build("llama", device="meta"), LoraConfig(rank=4, alpha=8))
+    full = dict(peft_model.named_parameters())
+    stages = [build_stage(peft_model, s, 4) for s in range(4)]
+    names = [n for stage in stages for n, _ in stage.named_parameters()]
+    assert all(is_lora(stage) for stage in stages)
+    assert len(names) == len(set(names)) and set(names) >= set(full)  # the tied head: one copy more
+    assert all(p.requires_grad == (".lora_" in n) for stage in stages for n, p in stage.named_parameters())
+    assert stages[-1].tied_names[0][0] == "base_model.model.lm_head.weight"
