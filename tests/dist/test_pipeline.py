@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from helpers import TINY, LayoutRuns, grad_norms, losses, run_cli, train
 
-
 pytestmark = pytest.mark.dist
 
 STEPS = ["train.steps=4"]
