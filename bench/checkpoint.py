@@ -99,7 +99,7 @@ class BenchManager(CheckpointManager):
     def __init__(self, root: Path, trainer: Trainer, async_save: bool, every: int, keep_last: int | None):
         config = trainer.config.checkpoint.model_copy(update={"async_save": async_save, "every": every,
                                                               "keep_last": keep_last})
-        super().__init__(root, config, trainer.total_steps, trainer.logger.info)
+        super().__init__(root, config, trainer.total_steps, trainer.logger.info, trainer.device)
         self.round_start = 0
         self.in_save = False
         self.wait_prev_s: list[float] = []   # save() waiting for the previous (async) save and committing it

@@ -169,7 +169,7 @@ def describe_model(base: list[str]) -> str:
 
     cfg = load_config(None, base)
     hf = build_hf_config(cfg.model, load_tokenizer(cfg.data), cfg.data.vocab_size)
-    params = count_params(build_meta_model(cfg.model, hf))["total"]
+    params = count_params(build_meta_model(hf))["total"]
     return (f"model: {cfg.model.arch} hidden {hf.hidden_size} x {hf.num_hidden_layers} layers, "
             f"{hf.num_attention_heads} heads, vocab {hf.vocab_size}: {params / 1e6:.2f}M parameters; "
             f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} = "

@@ -112,7 +112,7 @@ class HandWrittenSide:
         cfg = trainer.config
         self.device = trainer.device
         self.model = AutoModelForCausalLM.from_config(
-            trainer.model.config, attn_implementation=cfg.model.attn_implementation, dtype=torch.float32
+            trainer.model.config, attn_implementation=trainer.model.config._attn_implementation, dtype=torch.float32
         ).to(self.device)
         self.model.load_state_dict(full_state(trainer.model))  # the trainer's initial weights
         self.model.train()

@@ -67,7 +67,8 @@ class LayoutRuns(dict):
 
     def __missing__(self, name: str) -> Path:
         run_dir = self.tmp_path_factory.mktemp(name)
-        train(run_dir, *self.common, *self.layouts[name]["overrides"], nproc=self.layouts[name]["nproc"])
+        result = train(run_dir, *self.common, *self.layouts[name]["overrides"], nproc=self.layouts[name]["nproc"])
+        (run_dir / "stdout.log").write_text(result.stdout)
         self[name] = run_dir
         return run_dir
 

@@ -59,13 +59,16 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], optimizer, async_group=None):
+def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], optimizer, async_group=None,
+                 writer: dcp.FileSystemWriter | None = None):
     """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
 
     `model` may be a rank's list of pipeline stages, with its StageOptimizers: their state dicts, keyed by
     full-model names, are saved as one. With `async_group` (a process group of its own, so background
     collectives never interleave with training's) the writes go on in the background and a Future is
-    returned; otherwise None, when done.
+    returned; otherwise None, when done. An async save stages the shards into host memory before it returns;
+    a `writer` made with `cache_staged_state_dict=True` keeps that host copy in pinned memory for every save
+    (a fast device-to-host copy; the writer must be reused).
     """
     tmp = root / f".tmp-{step_dir_name(step)}"
     if dist.get_rank() == 0:
@@ -81,7 +84,7 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
         return None
-    return dcp.async_save(state, checkpoint_id=tmp, process_group=async_group)
+    return dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group)
 
 
 def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Callable[[Path], None]) -> Path:

@@ -72,7 +72,7 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
     else:  # An imported model pins its vocab_size, which may be below data.vocab_size's floor.
         vocab_size = config.model.config.get("vocab_size", config.data.vocab_size)
         hf_config = build_hf_config(config.model, tokenizer, vocab_size)
-    model = build_meta_model(config.model, hf_config, config.lora)
+    model = build_meta_model(hf_config, config.lora)
     init_weights(model, torch.device("cpu"), seed=0)  # also fills non-persistent buffers (rotary tables)
     state = {"model": get_model_state_dict(model)}
     _check_fits(path, state["model"])

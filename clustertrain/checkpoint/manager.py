@@ -17,12 +17,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.config.schema import CheckpointConfig
+from clustertrain.dist.collectives import reduce_values
 from clustertrain.errors import CheckpointError
 from clustertrain.train.status import REQUEUE_EXIT_CODE
 
@@ -62,9 +64,9 @@ class StopRequests:
             return self.reason
         if self._group is None:  # gloo keeps this off the GPU stream: no device sync per step
             self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        flag = torch.tensor([0 if self.reason is None else 1 + ("walltime", "SIGTERM", "SIGUSR1").index(self.reason)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
-        code = int(flag.item())
+        code, = reduce_values([0 if self.reason is None else 1 + ("walltime", "SIGTERM", "SIGUSR1").index(self.reason)],
+                              group=self._group, op="max")
+        code = int(code)
         return None if code == 0 else ("walltime", "SIGTERM", "SIGUSR1")[code - 1]
 
     def close(self) -> None:
@@ -75,8 +77,14 @@ class StopRequests:
 class CheckpointManager:
     """Saves (sync or async, at most one in flight), prunes old checkpoints, survives failed writes."""
 
-    def __init__(self, root: Path, config: CheckpointConfig, final_step: int, log: Callable[[str], None]):
+    def __init__(self, root: Path, config: CheckpointConfig, final_step: int, log: Callable[[str], None],
+                 device: torch.device):
         self.root, self.config, self.final_step, self.log = root, config, final_step, log
+        # auto: async on GPUs, where the step waits only for a copy into pinned host memory; on the CPU the
+        # copy is most of a save's cost, and the background write would compete with training for the cores
+        self.async_save = device.type == "cuda" if config.async_save == "auto" else config.async_save
+        self._writer = dcp.FileSystemWriter(root, cache_staged_state_dict=True) if (
+            self.async_save and device.type == "cuda") else None
         self.rank0 = dist.get_rank() == 0
         self._pending: tuple[Future | None, int, dict[str, Any], Callable[[Path], None]] | None = None
         self.last: Path | None = None
@@ -91,15 +99,16 @@ class CheckpointManager:
         """Save `step`; returns the committed folder (None while an async save is still writing)."""
         start = time.perf_counter()  # blocking time includes waiting for the previous save
         self.finalize()
-        if self.config.async_save and self._async_group is None:
+        if self.async_save and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
         try:
-            future = ckpt.write_shards(self.root, step, model, optimizer, async_group=self._async_group)
+            future = ckpt.write_shards(self.root, step, model, optimizer, async_group=self._async_group,
+                                       writer=self._writer)
         except WRITE_ERRORS as e:  # any write failure: report, keep the previous checkpoint
             self._failed(step, e)
             return None
         self._pending = (future, step, train_state, write_extras)
-        path = self.finalize() if wait or not self.config.async_save else None
+        path = self.finalize() if wait or not self.async_save else None
         self.blocking_s.append(time.perf_counter() - start)
         return path
 

@@ -32,7 +32,17 @@ class ModelConfig(Section):
         },
         description="HF config fields for `arch`, e.g. hidden_size; vocab_size comes from the tokenizer.",
     )
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="Attention kernel.")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "flex_attention", "eager"] = Field(
+        "auto", description="Attention kernel: sdpa (torch's flash and memory-efficient kernels on GPU), "
+        "flash_attention_2 (needs the flash-attn package), flex_attention (document masks without a dense mask), "
+        "eager. auto: sdpa, except document-masked or SFT runs on GPU, which take flash_attention_2 when flash-attn "
+        "is installed, else flex_attention.",
+    )
+    kernels: Literal["auto", "liger", "none"] = Field(
+        "auto", description="Fused kernels: liger (liger-kernel's RMSNorm, RoPE, SwiGLU and fused linear cross "
+        "entropy; CUDA only, for the families it supports), none (plain PyTorch). auto: liger when it is installed "
+        "and can run, else none.",
+    )
     path: str | None = Field(
         None, description="A local HF model directory (config.json, safetensors or .bin weights, tokenizer) to "
         "fine-tune. Its config replaces model.arch and model.config; model.config keys you set override it."
@@ -193,6 +203,10 @@ class ParallelConfig(Section):
 
 class OptimConfig(Section):
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    implementation: Literal["auto", "fused", "foreach"] = Field(
+        "auto", description="AdamW kernel: fused (one kernel per step; CUDA, ROCm, and CPU in recent torch), foreach "
+        "(batched tensor ops). auto: fused where the installed torch supports it for the device and parameters.",
+    )
     weight_decay: float = Field(0.1, ge=0, description="AdamW decay of matrices (norms and biases never decay).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
@@ -232,6 +246,12 @@ class TrainConfig(Section):
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
     eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
     sample_tokens: int = Field(40, ge=0, description="Tokens of the sample generated at the end; 0 disables.")
+    loss: Literal["auto", "chunked", "full"] = Field(
+        "auto", description="How the output layer and cross entropy run: chunked (a slice of tokens at a time, never "
+        "the whole batch's full-vocabulary fp32 logits), full (the model's logits, then the loss). auto: chunked when "
+        "the vocabulary has at least 32,768 tokens.",
+    )
+    loss_chunk_tokens: int = Field(4096, gt=0, description="Tokens per slice of the chunked loss.")
 
 
 class CheckpointConfig(Section):
@@ -240,8 +260,10 @@ class CheckpointConfig(Section):
     every: int = Field(100, ge=0, description="Save every N steps (0: only at the end).")
     keep_last: int | None = Field(3, gt=0, description="Keep the newest K checkpoints (empty: keep all).")
     keep_every: int | None = Field(None, gt=0, description="Also keep every checkpoint whose step is a multiple of M.")
-    async_save: bool = Field(
-        False, alias="async", description="Write checkpoints in the background while training goes on (key: async)."
+    async_save: bool | Literal["auto"] = Field(
+        "auto", alias="async", description="Write checkpoints in the background while training goes on (key: async); "
+        "auto: on GPUs (staged through pinned host memory), not on CPU. The final save of a run always completes "
+        "before the run ends."
     )
     on_error: Literal["warn", "stop"] = Field(
         "warn", description="A failed write (disk full, permissions): warn and train on, or stop. The previous "
@@ -254,6 +276,11 @@ class MetricsConfig(Section):
     tensorboard: bool = Field(True, description="Also write TensorBoard event files to <run_dir>/tensorboard.")
     progress: Literal["auto", "bar", "lines", "none"] = Field(
         "auto", description="auto: a progress bar on a terminal, plain lines otherwise (Slurm logs)."
+    )
+    profile: tuple[int, int] | None = Field(
+        None, description="Profile steps [first, last] (1-based, inclusive) with torch.profiler: a trace per rank in "
+        "<run_dir>/profile/ (open in Perfetto or TensorBoard) and, on CUDA, a memory snapshot "
+        "(open at pytorch.org/memory_viz).",
     )
     peak_flops: float | None = Field(
         None, gt=0, description="Peak FLOP/s per device for MFU; default: known GPUs from a table, CPUs measured."

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from clustertrain.dist.collectives import gather_objects
+
 
 class AuditLog:
     """Appends the global batch's fingerprints (gathered from every rank) to `path` on rank 0."""
@@ -27,9 +29,8 @@ class AuditLog:
         """Every rank calls this with its rows' origins (stream, slot, document, offset, epoch)."""
         parts = [origins]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-            dist.gather_object(origins, parts, dst=0)
-            if dist.get_rank() != 0:
+            parts = gather_objects(origins)
+            if parts is None:
                 return
         rows = sorted(row for part in parts for row in part)
         if self._file is None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clustertrain.data.plan import DataPlan
+from clustertrain.dist.collectives import all_gather_objects
 from clustertrain.errors import ConfigError, DataError
 
 
@@ -65,8 +66,7 @@ class StreamLoader:
         """The global position: every rank's stream cursors (a collective when distributed)."""
         parts = [self.local_state()]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            parts = [None] * dist.get_world_size()
-            dist.all_gather_object(parts, self.local_state())
+            parts = all_gather_objects(self.local_state())
         return self.global_state(parts)
 
     def global_state(self, parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from clustertrain.config.schema import ParallelConfig
+from clustertrain.dist.collectives import set_rank_device
 from clustertrain.dist.env import RankInfo
 from clustertrain.errors import ConfigError
 
@@ -38,19 +39,14 @@ def init_distributed(parallel: ParallelConfig, info: RankInfo) -> torch.device:
     elif "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one node share its cores; oversubscribing them slows every rank down.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_world_size))
-    timeout = timedelta(minutes=parallel.timeout_minutes)
+    set_rank_device(device)
+    # device_id binds NCCL to this rank's GPU (no "guessing device ID" and eager communicator setup), also alone
+    options = {"timeout": timedelta(minutes=parallel.timeout_minutes), "device_id": device if backend == "nccl" else None}
     if info.world_size == 1:
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timeout,
-            device_id=device if backend == "nccl" else None,
-        )
+        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
+                                world_size=info.world_size, **options)
     return device
 
 

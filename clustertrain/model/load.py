@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from clustertrain.config.schema import LoraConfig, ModelConfig
 from clustertrain.errors import ConfigError
+from clustertrain.model.attention import keep_packed_documents_apart
 
 
 def snapshot_dir(model: ModelConfig) -> Path | None:
@@ -56,14 +57,20 @@ def build_hf_config(
         raise ConfigError(f"model.config: {model.arch} rejects these fields: {e}") from None
 
 
-def build_meta_model(model: ModelConfig, hf_config: PretrainedConfig, lora: LoraConfig | None = None,
-                     base_dtype: torch.dtype = torch.float32) -> nn.Module:
+def build_meta_model(hf_config: PretrainedConfig, lora: LoraConfig | None = None,
+                     base_dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa") -> nn.Module:
     """The model with every parameter on the meta device (no memory until it is materialized), LoRA-wrapped if asked
-    (its frozen base in `base_dtype`)."""
+    (its frozen base in `base_dtype`).
+
+    `attn_implementation` is the kernel `clustertrain.model.attention.resolve_attention` chose for the run's
+    device and data; sdpa, the default, suits a model that is only exported, counted or run on CPU.
+    """
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=model.attn_implementation, dtype=torch.float32
+            hf_config, attn_implementation=attn_implementation, dtype=torch.float32
         )
+    if attn_implementation == "flash_attention_2":
+        keep_packed_documents_apart(built)
     if lora is not None and lora.enabled:
         from clustertrain.lora import apply_lora
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -19,4 +19,21 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, bloc
         return
     stride = 1 if mode == "full" else every
     for block in [m for m in model.modules() if isinstance(m, blocks)][::stride]:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = Checkpointed(block.forward)
+
+
+class Checkpointed:
+    """`forward` under non-reentrant checkpointing.
+
+    Not `functools.partial(checkpoint, forward)`: a compiled block (dynamo skips its `_call_impl`) starts
+    tracing at its forward, and a partial hands dynamo straight to `checkpoint`, which dynamo never enters
+    on its own, so the whole block silently ran uncompiled. Traced from `__call__`, the checkpoint becomes
+    dynamo's activation-checkpoint operator inside the block's graph. An object rather than a closure, so a
+    deep copy of the model calls the copied block.
+    """
+
+    def __init__(self, forward: Callable):
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)

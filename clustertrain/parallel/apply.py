@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.dist.mesh import Mesh
 from clustertrain.parallel.ac import apply_activation_checkpointing
+from clustertrain.parallel.compile import apply_compile
 from clustertrain.parallel.pp import stage_indices, tie_weights_across_stages
 from clustertrain.parallel.stages import build_stage
 from clustertrain.parallel.tp import apply_tp
@@ -49,8 +50,7 @@ def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Modul
         apply_tp(model, mesh.tp_mesh())
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
     if parallel.compile:
-        for block in [m for m in model.modules() if isinstance(m, blocks)]:
-            block.compile()  # in place: names, sharding units and checkpoints stay those of the plain model
+        apply_compile(model, blocks)
     wrapper = data_parallel_wrapper(parallel, mesh)
     if wrapper == "fsdp":
         apply_fsdp(model, parallel, mesh, blocks)
@@ -61,15 +61,20 @@ def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Modul
 
 
 def data_parallel_wrapper(parallel: ParallelConfig, mesh: Mesh) -> str | None:
-    """fsdp for the zero strategies and any tp-split model, ddp for replicas of a whole model, else None.
+    """fsdp for the zero strategies and any tp-split model, ddp for replicas of a whole model, None for one
+    data-parallel rank.
 
     Under tp, "ddp" is FSDP2 over (dp_replicate, dp_shard=1), which replicates: it also turns every
     parameter into a DTensor, which the optimizer needs when some already are. Under pp it is the same,
-    because pipelining drives FSDP2's gradient sync across microbatches itself.
+    because pipelining drives FSDP2's gradient sync across microbatches itself. With one data-parallel rank
+    and no tp there is nothing to shard or sync, so no wrapper costs its hooks and copies (as torchtitan
+    does on one GPU): autocast applies the compute dtype.
     """
-    if parallel.strategy != "ddp" or mesh.tp > 1 or (parallel.pp > 1 and mesh.dp_size > 1):
+    if mesh.tp > 1 or (parallel.pp > 1 and mesh.dp_size > 1):
         return "fsdp"
-    return "ddp" if mesh.dp_size > 1 else None
+    if mesh.dp_size == 1:
+        return None
+    return "ddp" if parallel.strategy == "ddp" else "fsdp"
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelConfig, mesh: Mesh, blocks: tuple[type[nn.Module], ...]) -> None:

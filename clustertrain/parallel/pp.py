@@ -2,7 +2,7 @@
 last stage each hold a copy of.
 
     stages = parallelize(meta, parallel, mesh, ...)  # with parallel.pp > 1: this rank's PipelineStageModules
-    pipeline = Pipeline(stages, parallel, mesh, device, microbatches)
+    pipeline = Pipeline(stages, parallel, mesh, device, microbatches, loss_sum)  # loss_sum(output, labels)
     loss_sum = pipeline.step(batch, dp_size, total_tokens)  # forward and backward of this rank's rows
     pipeline.sync_tied_grads()                               # before clipping
 
@@ -11,19 +11,21 @@ pp × stages-per-rank on rank s % pp (the loop order torch's ScheduleInterleaved
 stage 0 is on pp rank 0 and the last stage on pp rank pp - 1.
 
 Every stage of a pipeline reads the same rows (ranks that differ only in pp share data); stage 0 feeds
-the input ids, the last stage the labels, and only the last stage computes a loss.
+the input ids, the last stage the labels, both as the schedule's target and as its head's input, so that
+the head can compute the loss without full logits (clustertrain.train.loss); the schedule's loss function
+turns that stage's output, the loss or logits, into the scaled loss. Only the last stage has one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from clustertrain.config.schema import ParallelConfig, RunConfig
-from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.dist.mesh import Mesh
 from clustertrain.errors import ConfigError
 
@@ -74,13 +76,6 @@ def tie_weights_across_stages(stages: list[nn.Module], mesh: Mesh) -> None:
                 dist.recv(_local(stage.get_parameter(head)), group=mesh.pp_group, group_src=0)
 
 
-def scaled_token_loss(logits: torch.Tensor, labels: torch.Tensor, dp_size: int, total_tokens: torch.Tensor):
-    """The last stage's loss, as clustertrain.train.step computes it: summed token cross entropy * dp / tokens."""
-    loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
-    return loss_sum * dp_size / total_tokens
-
-
 class Pipeline:
     """This rank's stages with their schedule; `stages` are what the optimizer and checkpoints see.
 
@@ -92,13 +87,15 @@ class Pipeline:
     """
 
     def __init__(self, stages: list[nn.Module], parallel: ParallelConfig, mesh: Mesh, device: torch.device,
-                 microbatches: int):
-        self.stages, self.mesh, self.microbatches = stages, mesh, microbatches
+                 microbatches: int, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        """`loss_sum(output, labels)`: the summed token loss from the last stage's output (see
+        clustertrain.train.loss.output_loss_sum)."""
+        self.stages, self.mesh, self.microbatches, self.loss_sum = stages, mesh, microbatches, loss_sum
         pipes = [PipelineStage(m, m.stage_index, m.num_stages, device, group=mesh.pp_group) for m in stages]
         schedule = SCHEDULES[parallel.pp_schedule]
         # scale_grads=False: the loss is already a sum over the global batch divided by its token count.
         self.schedule = schedule(pipes if parallel.pp_schedule in INTERLEAVED else pipes[0],
-                                 n_microbatches=microbatches, loss_fn=scaled_token_loss, scale_grads=False)
+                                 n_microbatches=microbatches, loss_fn=self._scaled_loss, scale_grads=False)
         # this rank's copy of each tied pair: the embedding on the first stage, the head on the last; frozen
         # (LoRA's base) weights take no gradient
         first = [m.get_parameter(embedding) for m in stages if m.is_first for _, embedding in m.tied_names]
@@ -131,11 +128,17 @@ class Pipeline:
                 positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids).contiguous()
             inputs = (ids, positions)
         target = batch["labels"] if self.mesh.is_last_stage else None
+        head_inputs = {"labels": target} if target is not None else {}  # a keyword of this rank's stages
         run(*inputs, target=target, losses=losses if target is not None else None,
-            loss_kwargs={"dp_size": dp_size, "total_tokens": total_tokens})
+            loss_kwargs={"dp_size": dp_size, "total_tokens": total_tokens}, **head_inputs)
         if not losses:
             return torch.zeros((), device=batch["labels"].device)
         return torch.stack([loss.detach() for loss in losses]).sum() * total_tokens / dp_size
+
+    def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor, dp_size: int,
+                     total_tokens: torch.Tensor) -> torch.Tensor:
+        """A microbatch's loss as train_step scales it: the summed token loss * dp / global tokens."""
+        return self.loss_sum(output, labels) * dp_size / total_tokens
 
     @torch.no_grad()
     def sync_tied_grads(self) -> None:

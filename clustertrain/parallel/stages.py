@@ -16,6 +16,11 @@ Inputs and outputs, per microbatch of b rows of t tokens:
   pipelining hands the microbatch to the first stage only, so the positions, which every stage needs
   for its masks and rotary embeddings, travel with the activations (t int64 per row, no gradient).
 - every stage but the last returns `(hidden, position_ids)`; the last returns the logits [b, t, vocab].
+- the last stage also takes `labels [b, t]` as a keyword (`schedule.step(..., labels=...)` on its rank:
+  keywords reach every stage of the rank that passes them, split into microbatches like the inputs, and
+  real ones, unlike activations, reach the schedule's first trial forward). A head that computes the loss
+  (`clustertrain.train.loss.LossHead`, which marks itself with `takes_targets`) then returns the summed loss
+  as a 1-element tensor instead of logits: no full logits exist. Other stages ignore labels.
 
 Parameters keep the full model's names (`model.layers.3.self_attn.q_proj.weight`): the layer list
 becomes an `nn.ModuleDict` keyed by the original indices, so a checkpoint written under any pipeline
@@ -196,8 +201,9 @@ class PipelineStageModule(nn.Module):
         """This stage's decoder layers, keyed by their index in the full model."""
         return self.get_submodule(self._layers)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
-        """Input ids (first stage) or hidden states -> `(hidden, position_ids)`, or the logits on the last stage."""
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        """Input ids (first stage) or hidden states -> `(hidden, position_ids)`; on the last stage the logits,
+        or the summed loss [1] when given `labels` and the head computes it."""
         batch, length = x.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(length, device=x.device)
@@ -206,7 +212,7 @@ class PipelineStageModule(nn.Module):
         hidden = self.decode(hidden, position_ids)
         if not self.is_last:
             return hidden, position_ids
-        return self.head(hidden)
+        return self.head(hidden, labels)
 
     def _init_weights(self, module: nn.Module) -> None:
         """The model's own initialization, so `clustertrain.model.weights.init_weights` can materialize a stage."""
@@ -218,8 +224,16 @@ class PipelineStageModule(nn.Module):
     def decode(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def _lm_head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The head's logits, or its summed loss against `labels` when it computes one."""
+        if labels is None or not getattr(self.lm_head, "takes_targets", False):
+            return self.lm_head(hidden)
+        out = self.lm_head(hidden, targets=labels)
+        # one element, not a scalar: the schedule concatenates the microbatches' outputs
+        return out.reshape(1) if out.dim() == 0 else out
 
 
 class LoraStage(nn.Module):
@@ -244,8 +258,8 @@ class LoraStage(nn.Module):
         """The stage itself, as `PeftModel.get_base_model()` gives the HF model."""
         return self.base_model.model
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None):
-        return self.base_model.model(x, position_ids)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None):
+        return self.base_model.model(x, position_ids, labels)
 
     def _init_weights(self, module: nn.Module) -> None:
         self.base_model.model._init_weights(module)
@@ -272,8 +286,8 @@ class _RopeDecoderStage(PipelineStageModule):
                            position_ids=position_ids, past_key_values=None, use_cache=False)
         return hidden
 
-    def head(self, hidden):
-        return self.lm_head(self.base.norm(hidden))
+    def head(self, hidden, labels=None):
+        return self._lm_head(self.base.norm(hidden), labels)
 
 
 class _GPT2Stage(PipelineStageModule):
@@ -288,8 +302,8 @@ class _GPT2Stage(PipelineStageModule):
                            position_ids=position_ids)
         return hidden
 
-    def head(self, hidden):
-        return self.lm_head(self.base.ln_f(hidden))
+    def head(self, hidden, labels=None):
+        return self._lm_head(self.base.ln_f(hidden), labels)
 
 
 class _OPTStage(PipelineStageModule):
@@ -312,13 +326,13 @@ class _OPTStage(PipelineStageModule):
                            use_cache=False)
         return hidden
 
-    def head(self, hidden):
+    def head(self, hidden, labels=None):
         decoder = self.base.decoder
         if decoder.final_layer_norm is not None:
             hidden = decoder.final_layer_norm(hidden)
         if decoder.project_out is not None:
             hidden = decoder.project_out(hidden)
-        return self.lm_head(hidden).contiguous()
+        return self._lm_head(hidden, labels).contiguous()
 
 
 _MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}

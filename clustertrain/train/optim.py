@@ -6,8 +6,10 @@ import math
 
 import torch
 from torch import nn
+from torch.optim.optimizer import _default_to_fused_or_foreach  # torch's own choice, given use_fused
 
 from clustertrain.config.schema import OptimConfig
+from clustertrain.errors import ConfigError
 
 
 class StageOptimizers:
@@ -46,10 +48,25 @@ def build_optimizer(model: nn.Module | list[nn.Module], optim: OptimConfig,
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    # foreach is the fast path on CPU and GPU and works with DTensor parameters; fused would need GPU-only checks.
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=optim.lr, betas=optim.betas, eps=optim.eps, foreach=True
-    )
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                             **adamw_kernel(params, optim.implementation))
+
+
+def adamw_kernel(params: list[torch.Tensor], implementation: str) -> dict[str, bool]:
+    """`{"fused": True}` where the installed torch has a fused AdamW for these parameters' device and type
+    (CUDA and ROCm, CPU since torch 2.4, DTensor shards included), else `{"foreach": True}`.
+
+    Raises:
+        ConfigError: `implementation` is "fused" and torch has no fused kernel for these parameters.
+    """
+    if implementation == "foreach":
+        return {"foreach": True}
+    fused, _ = _default_to_fused_or_foreach(params, differentiable=False, use_fused=True)
+    if implementation == "fused" and not fused:
+        devices = sorted({p.device.type for p in params})
+        raise ConfigError(f"optim.implementation = 'fused': torch {torch.__version__} has no fused AdamW for "
+                          f"parameters on {devices}; use auto or foreach")
+    return {"fused": True} if fused else {"foreach": True}
 
 
 def lr_at(step: int, total_steps: int, optim: OptimConfig) -> float:

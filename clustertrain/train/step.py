@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.dist.collectives import all_reduce
 from clustertrain.parallel.pp import Pipeline
+from clustertrain.train.loss import token_loss_sum
 from clustertrain.train.optim import StageOptimizers
 
 
@@ -28,25 +29,11 @@ class StepResult:
     grad_norm: torch.Tensor
 
 
-def token_loss_sum(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Summed next-token cross entropy over the labels that are not IGNORE_INDEX.
-
-    `position_ids` that restart inside a row mark packed documents; transformers then masks attention
-    across them.
-    """
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    return F.cross_entropy(
-        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
 def count_tokens(batch: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Tokens that carry loss in the whole global batch (summed over the data-parallel ranks of `dp_group`)."""
     count = batch["labels"].ne(IGNORE_INDEX).sum()
     if dp_group is not None:
-        dist.all_reduce(count, group=dp_group)
+        count = all_reduce(count, group=dp_group)
     return count.clamp(min=1)
 
 
@@ -79,7 +66,7 @@ def train_step(
         rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
         last = i == n_micro - 1
         sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
-        with sync, _autocast(batch["input_ids"].device, autocast_dtype):
+        with sync, autocast(batch["input_ids"].device, autocast_dtype):
             positions = batch.get("position_ids")
             loss_sum = token_loss_sum(
                 model, batch["input_ids"][rows], batch["labels"][rows], None if positions is None else positions[rows]
@@ -122,7 +109,7 @@ def pipeline_train_step(
     total_tokens = count_tokens(batch, dp_group)
     device = batch["input_ids"].device
     loss_scale = scaler.scale(torch.ones((), device=device)) if scaler else None
-    with _autocast(device, autocast_dtype):
+    with autocast(device, autocast_dtype):
         local_loss = pipeline.step(batch, dp_size, total_tokens, loss_scale)
     pipeline.sync_tied_grads()
     if scaler:
@@ -158,9 +145,7 @@ def clip_grad_norm(model: nn.Module | list[nn.Module], max_norm: float, pp_group
     norms = [torch.nn.utils.get_total_norm(grads, foreach=True) for grads in counted if grads]
     norm = torch.linalg.vector_norm(torch.stack([_full(n) for n in norms]))
     if pp_group is not None:
-        squared = norm.square()
-        dist.all_reduce(squared, group=pp_group)
-        norm = squared.sqrt()
+        norm = all_reduce(norm.square(), group=pp_group).sqrt()
     if max_norm > 0:
         with implicit_replication():  # the plain-tensor norm scales sharded gradients as a replicated scalar
             for params in by_mesh.values():
@@ -179,14 +164,15 @@ def global_mean_loss(result: StepResult, dp_group: dist.ProcessGroup | None,
     Under pipeline parallelism only the last stage has a loss (the others hold 0), so `pp_group` brings
     it to every stage.
     """
-    total = result.loss_sum.clone()
+    total = result.loss_sum
     for group in (dp_group, pp_group):
         if group is not None:
-            dist.all_reduce(total, group=group)
-    return (total / result.tokens).item()
+            total = all_reduce(total, group=group)
+    return (total / result.tokens.to(total.device)).item()
 
 
-def _autocast(device: torch.device, dtype: torch.dtype | None):
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast in `dtype`, or nothing when the layout casts by itself (FSDP2's policy) or runs fp32."""
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)

@@ -27,19 +27,24 @@ from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root, load_tokenizer
+from clustertrain.dist.collectives import all_reduce, broadcast, reduce_values
 from clustertrain.dist.env import RankInfo, detect_launcher
 from clustertrain.dist.init import close_distributed, init_distributed, rank0_first
 from clustertrain.dist.mesh import build_mesh
 from clustertrain.errors import CheckpointError, ConfigError
+from clustertrain.model.attention import resolve_attention
 from clustertrain.model.estimate import count_params, model_flops_per_token, peak_flops
+from clustertrain.model.kernels import apply_kernels
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
 from clustertrain.model.weights import materialize
-from clustertrain.parallel.apply import DTYPES, autocast_dtype, parallelize, unwrap
+from clustertrain.parallel.apply import DTYPES, autocast_dtype, data_parallel_wrapper, parallelize, unwrap
 from clustertrain.parallel.pp import Pipeline, pipeline_microbatches
+from clustertrain.train.loss import apply_loss_head, output_loss_sum, resolve_loss
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
+from clustertrain.train.profile import StepProfiler
 from clustertrain.train.status import write_status
-from clustertrain.train.step import StepResult, global_mean_loss, pipeline_train_step, token_loss_sum, train_step
+from clustertrain.train.step import StepResult, autocast, global_mean_loss, pipeline_train_step, token_loss_sum, train_step
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Trainer:
         self.run_dir = config.run_dir
         self.step = 0
         self.tokens_seen = 0
+        self.stop: StopRequests | None = None  # run() listens from the start; start() at the latest
 
     # ---- build -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -77,6 +83,8 @@ class Trainer:
         self.rank0 = dist.get_rank() == 0
         torch.manual_seed(cfg.train.seed + dist.get_rank())
         self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
+        self.profiler = StepProfiler(cfg.metrics.profile, total_steps(cfg), self.run_dir / "profile", self.device,
+                                     dist.get_rank(), log=lambda line: self.logger.info(line))
 
         self.snapshot = snapshot_dir(cfg.model)
         if self.snapshot is not None and not cfg.data.tokenizer:
@@ -96,7 +104,15 @@ class Trainer:
         self.mixture: Counter = Counter()
 
         self.hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
-        meta = build_meta_model(cfg.model, self.hf_config, cfg.lora, DTYPES[cfg.parallel.param_dtype])
+        attn = resolve_attention(cfg.model.attn_implementation, self.hf_config, self.device.type,
+                                 dtype=DTYPES[cfg.parallel.param_dtype], pipeline=cfg.parallel.pp > 1,
+                                 packed_documents=cfg.data.doc_masking or cfg.data.mode == "sft")
+        meta = build_meta_model(self.hf_config, cfg.lora, DTYPES[cfg.parallel.param_dtype], attn)
+        kernels = apply_kernels(meta, cfg.model.kernels, self.device, self.mesh.tp)
+        self.loss_kind, loss_note = apply_loss_head(meta, resolve_loss(cfg.train.loss, self.hf_config.vocab_size),
+                                                    cfg.train.loss_chunk_tokens, cfg.parallel.compile,
+                                                    fused=kernels.linear_cross_entropy)
+        self.kernel_notes = [note for note in (kernels.note, loss_note) if note]  # said by rank 0 at start
         self.params = count_params(meta)
         self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
         self.model = parallelize(
@@ -105,11 +121,10 @@ class Trainer:
         )  # with parallel.pp > 1: the list of this rank's pipeline stages
         self.pipeline = None
         if cfg.parallel.pp > 1:
-            self.pipeline = Pipeline(self.model, cfg.parallel, self.mesh, self.device, self.microbatches)
+            self.pipeline = Pipeline(self.model, cfg.parallel, self.mesh, self.device, self.microbatches,
+                                     output_loss_sum)
         # The largest rank's peak memory once the weights are in place: what loading the model cost.
-        peak = torch.tensor([memory_gb(self.device)], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        self.load_mem_gb = peak.item()
+        self.load_mem_gb, = reduce_values([memory_gb(self.device)], op="max")
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scaler = ShardedGradScaler(self.device.type) if cfg.parallel.param_dtype == "float16" else None
         self.total_steps = total_steps(cfg)
@@ -177,12 +192,13 @@ class Trainer:
     def start(self, resumed: Path | None) -> None:
         """Open the metrics sinks and say what this run is about to do."""
         cfg = self.config
+        self.stop = self.stop or StopRequests(cfg.walltime_s, cfg.train.walltime_margin)
         self.logger = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.step, enabled=self.rank0,
             tensorboard=cfg.metrics.tensorboard, progress=cfg.metrics.progress,
         )
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.total_steps,
-                                             self.logger.info)
+                                             self.logger.info, self.device)
         self._announce(resumed)
         if self.rank0:  # the run's own copy, for `clustertrain data audit` and for people
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
@@ -202,6 +218,7 @@ class Trainer:
         for _ in range(n):
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
+            self.profiler.step_started(self.step + 1)
             batch = self._next_batch(self.loader)
             if self.pipeline:
                 result = pipeline_train_step(
@@ -223,6 +240,8 @@ class Trainer:
                 self.summary.eval_loss = self._evaluate()
             if self.checkpoints.due(self.step) or self.step == self.stop_step:
                 self.save(wait=self.step == self.stop_step)
+            if self.profiler.step_done(self.step):
+                self._timer.reset(self.step)  # writing the trace is not training throughput
             reason = self.stop.agreed()
             if reason:
                 if self.saved_step != self.step:
@@ -258,18 +277,18 @@ class Trainer:
         self._status("finished" if self.step >= self.total_steps else "stopped")
         summary = self.summary
         summary.steps = self.step
+        if self.audit:
+            self.audit.close()
+        if self.pipeline and self.config.train.sample_tokens:
+            self.logger.info("train.sample_tokens: no end-of-run sample under parallel.pp > 1; `clustertrain "
+                             f"generate {self.run_dir}` samples from the checkpoint")
+        elif self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
+            summary.sample = self._sample_or_warn("def ", self.config.train.sample_tokens)
         self.logger.close()  # flushes metrics.jsonl
         if self.rank0:
             curve = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("loss") is not None]
             summary.first_loss = curve[0]["loss"] if curve else None
             summary.last_loss = curve[-1]["loss"] if curve else None
-        if self.audit:
-            self.audit.close()
-        if self.pipeline and self.config.train.sample_tokens:
-            self.logger.info("train.sample_tokens: no sample under parallel.pp > 1 (generation through a pipeline "
-                             "is not available yet); `clustertrain generate` on the checkpoint works")
-        elif self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
-            summary.sample = self.sample("def ", self.config.train.sample_tokens)
         return summary
 
     def _log(self, result: StepResult) -> None:
@@ -304,13 +323,12 @@ class Trainer:
     def _data_metrics(self) -> dict[str, float]:
         """Realized mixture proportions (share of tokens per source so far) and skipped bad records, global."""
         labels = self.plan.labels
-        counts = torch.tensor([self.mixture[l] for l in labels] + [sum(self.loader.skipped.values())],
-                              dtype=torch.float64)
-        dist.all_reduce(counts, group=self.mesh.dp_group)
-        total = counts[:-1].sum().item() or 1.0
-        metrics = {f"mix/{l}": counts[i].item() / total for i, l in enumerate(labels)} if len(labels) > 1 else {}
+        counts = reduce_values([self.mixture[l] for l in labels] + [sum(self.loader.skipped.values())],
+                               group=self.mesh.dp_group)
+        total = sum(counts[:-1]) or 1.0
+        metrics = {f"mix/{l}": counts[i] / total for i, l in enumerate(labels)} if len(labels) > 1 else {}
         if counts[-1] > 0:
-            metrics["data_skipped"] = int(counts[-1].item())
+            metrics["data_skipped"] = int(counts[-1])
         return metrics
 
     @torch.no_grad()
@@ -322,16 +340,16 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)
         for _ in range(self.config.train.eval_batches):
             batch = self._next_batch(loader)
-            if self.pipeline:  # the last stage's loss; 0 on the others, summed over the pipeline below
-                totals[0] += self.pipeline.eval_loss_sum(batch)
-            else:
-                totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
+            with autocast(self.device, self._autocast):
+                if self.pipeline:  # the last stage's loss; 0 on the others, summed over the pipeline below
+                    totals[0] += self.pipeline.eval_loss_sum(batch)
+                else:
+                    totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"],
+                                                batch.get("position_ids"))
             totals[1] += batch["labels"].ne(IGNORE_INDEX).sum()
-        dist.all_reduce(totals, group=self.mesh.dp_group)
-        if self.pipeline:
-            loss_sum = totals[0].clone()
-            dist.all_reduce(loss_sum, group=self.mesh.pp_group)
-            totals[0] = loss_sum
+        totals = all_reduce(totals, group=self.mesh.dp_group)
+        if self.pipeline:  # only the last stage has a loss
+            totals[0] = all_reduce(totals[0], group=self.mesh.pp_group)
         for part in self._model_parts():
             part.train()
         loss = (totals[0] / totals[1]).item()
@@ -379,27 +397,50 @@ class Trainer:
                          checkpoint=str(checkpoint) if checkpoint else None, **fields)
 
     # ---- sample ------------------------------------------------------------------------------
+    def _sample_or_warn(self, prompt: str, max_new_tokens: int) -> str | None:
+        """The end-of-run sample; a failure is one warning line, never a failed run (its checkpoint is saved)."""
+        try:
+            return self.sample(prompt, max_new_tokens)
+        except Exception as e:  # noqa: BLE001 - the run's result is its checkpoint, already complete
+            self.logger.info(f"warning: the end-of-run sample failed ({type(e).__name__}: {str(e)[:200]}); the "
+                             f"checkpoint is complete, and `clustertrain generate {self.run_dir}` samples from it")
+            return None
+
     @torch.no_grad()
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """A short sampled continuation of `prompt`; every rank takes part when the weights are sharded."""
-        sharded = self.config.parallel.strategy != "ddp"
-        if not (sharded or self.rank0):
+        """A short sampled continuation of `prompt` (top-k 40, temperature 0.8), through the training forward.
+
+        The model's own forward runs as in training, so every layout's hooks apply (FSDP's unsharding of the
+        root's weights included, which HF's and peft's `generate` bypass). Every rank takes part when the
+        weights are sharded or split, and rank 0's draw is broadcast, so all ranks run the same forwards;
+        under DDP rank 0 samples alone from its full replica.
+        """
+        together = data_parallel_wrapper(self.config.parallel, self.mesh) == "fsdp"
+        if not (together or self.rank0):
             return ""
-        model = unwrap(self.model)
+        model = self.model if together else unwrap(self.model)
         model.eval()
         ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)  # the same draw on every rank keeps sharded forwards in step
-            out = model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=True, top_k=40, temperature=0.8,
-                pad_token_id=self.tokenizer.eos_token_id,
-            )
-        return self.tokenizer.decode(out[0], skip_special_tokens=True)
+        generator = torch.Generator(self.device).manual_seed(0)
+        with autocast(self.device, self._autocast):
+            for _ in range(max_new_tokens):
+                logits = model(input_ids=ids, use_cache=False).logits[:, -1].float() / 0.8
+                top = logits.topk(min(40, logits.shape[-1]))
+                choice = top.indices.gather(-1, torch.multinomial(top.values.softmax(-1), 1, generator=generator))
+                if together:
+                    choice = broadcast(choice).to(self.device)
+                ids = torch.cat([ids, choice], dim=1)
+                if choice.item() == self.tokenizer.eos_token_id:
+                    break
+        model.train()
+        return self.tokenizer.decode(ids[0], skip_special_tokens=True)
 
     def close(self) -> None:
         """Release signal handlers, metrics files, the model and the process groups, in that order."""
-        if getattr(self, "stop", None):
+        if self.stop:
             self.stop.close()
+        if getattr(self, "profiler", None):
+            self.profiler.close()  # a run that ended inside the profiled range keeps what was traced
         if getattr(self, "logger", None):
             self.logger.close()
         # The model goes before the process groups: DDP's reducer must not drop the last reference to a gloo
@@ -426,8 +467,11 @@ class Trainer:
         self.logger.info(
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "
             f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}); "
-            f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens"
+            f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens; "
+            f"AdamW {'fused' if self.optimizer.param_groups[0].get('fused') else 'foreach'}"
         )
+        for note in self.kernel_notes:
+            self.logger.info(note)
         if resumed:
             self.logger.info(f"resuming from {resumed} at step {self.step}")
         else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import peft
 import pytest
@@ -17,6 +18,7 @@ from clustertrain.config.load import load_config
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.lora import hf_name
 from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
 # model.config={}: TINY's model fields would otherwise override the snapshot's config
@@ -58,6 +60,13 @@ def snapshot(tmp_path_factory):
     return make_snapshot(tmp_path_factory.mktemp("snapshot"), "llama", sharpen=True)
 
 
+def assert_finished_with_a_sample(run_dir, result):
+    """The run as users get it: exit 0 (checked by train), status finished, and the end-of-run sample shown."""
+    assert read_status(run_dir)["state"] == "finished"
+    assert re.search(r"^ +sample  def ", result.stdout, re.M), result.stdout[-2000:]
+    assert "sample failed" not in result.stdout
+
+
 def assert_base_unchanged(run_dir, snapshot):
     """Every base weight of the run's checkpoint equals the snapshot's; returns the loaded model."""
     model, _, _ = load_checkpoint_model(run_dir)
@@ -70,10 +79,16 @@ def assert_base_unchanged(run_dir, snapshot):
     return model
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "zero3", "hybrid_zero2"])
-def test_lora_learns_and_leaves_the_base_bit_identical(tmp_path, snapshot, strategy):
-    train(tmp_path, f"model.path={snapshot}", *LORA, f"train.steps={STEPS}", f"parallel.strategy={strategy}",
-          nproc=2)
+@pytest.mark.parametrize("layout", [["parallel.strategy=ddp"], ["parallel.strategy=zero2"],
+                                    ["parallel.strategy=zero3"], ["parallel.strategy=hybrid_zero2"],
+                                    ["parallel.strategy=zero3", "parallel.tp=2"]], ids=lambda o: "-".join(o)[18:])
+def test_lora_learns_and_leaves_the_base_bit_identical(tmp_path, snapshot, layout):
+    result = train(tmp_path, f"model.path={snapshot}", *LORA, f"train.steps={STEPS}", *layout,
+                   "train.sample_tokens=4", nproc=2)
+    assert_finished_with_a_sample(tmp_path, result)
+    if "parallel.strategy=zero3" in layout:  # the sharded checkpoint, on its base, in one process
+        generated = run_cli("generate", str(tmp_path), "--prompt", "def ", "--max-tokens", "4")
+        assert generated.returncode == 0 and generated.stdout.strip(), generated.stderr[-2000:]
     curve = losses(tmp_path)
     assert curve[STEPS] < curve[1] - 0.05, curve
     model = assert_base_unchanged(tmp_path, snapshot)

@@ -27,6 +27,11 @@ LAYOUTS = {
     "lora_single": dict(nproc=None, overrides=LORA),
     "lora_pp2": dict(nproc=2, overrides=[*LORA, "parallel.pp=2"]),
     "pp2_fp16": dict(nproc=2, overrides=["parallel.pp=2", "parallel.param_dtype=float16"]),
+    # the last stage's head computes the loss from labels that travel with the activations
+    "pp2_1f1b_chunked": dict(nproc=2, overrides=["parallel.pp=2", "parallel.pp_schedule=1f1b",
+                                                 "parallel.microbatches=4", "train.loss=chunked",
+                                                 "train.loss_chunk_tokens=100"]),
+    "lora_pp2_chunked": dict(nproc=2, overrides=[*LORA, "parallel.pp=2", "train.loss=chunked"]),
 }
 
 
@@ -38,7 +43,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name, reference", [
     ("pp2_gpipe", "single"), ("pp2_1f1b", "single"), ("zero3_dp2_pp2", "single"), ("gpt2_pp2", "gpt2_single"),
-    ("deep_pp2_interleaved", "deep_single"), ("lora_pp2", "lora_single"),
+    ("deep_pp2_interleaved", "deep_single"), ("lora_pp2", "lora_single"), ("pp2_1f1b_chunked", "single"),
+    ("lora_pp2_chunked", "lora_single"),
 ])
 def test_pipeline_matches_one_rank(runs, name, reference):
     for measure in (losses, grad_norms):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from helpers import TINY, LayoutRuns, grad_norms, losses, run_cli, train
 
+from clustertrain.train.status import read_status
+
 pytestmark = pytest.mark.dist
 
-STEPS = ["train.steps=10", "checkpoint.every=5"]
+STEPS = ["train.steps=10", "checkpoint.every=5", "train.sample_tokens=4"]
 LAYOUTS = {
     "single": dict(nproc=None, overrides=["parallel.strategy=ddp"]),
     "ddp": dict(nproc=2, overrides=["parallel.strategy=ddp"]),
@@ -21,8 +24,14 @@ LAYOUTS = {
                                            "train.eval_every=5"]),
     "ddp_bf16": dict(nproc=2, overrides=["parallel.strategy=ddp", "parallel.param_dtype=bfloat16"]),
     "zero3_fp16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=float16"]),
+    "zero3_foreach": dict(nproc=2, overrides=["parallel.strategy=zero3", "optim.implementation=foreach"]),
     "zero3_compiled": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.compile=true"]),
+    # chunks of 100 rows do not divide a microbatch's 256; liger cannot run on CPU: a one-line fallback
+    "zero3_chunked": dict(nproc=2, overrides=["parallel.strategy=zero3", "train.loss=chunked",
+                                              "train.loss_chunk_tokens=100", "model.kernels=liger",
+                                              "train.eval_every=5"]),
     "tp2": dict(nproc=2, overrides=["parallel.tp=2"]),
+    "tp2_chunked": dict(nproc=2, overrides=["parallel.tp=2", "train.loss=chunked", "train.loss_chunk_tokens=100"]),
     "zero3_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=zero3", "parallel.tp=2"]),
     "ddp_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=ddp", "parallel.tp=2"]),
 }
@@ -43,6 +52,29 @@ def test_layout_matches_one_rank(runs, name):
     for step in range(1, 6):
         assert other[step] == pytest.approx(reference[step], rel=1e-5), f"grad norm, step {step}"
 
+
+
+def test_the_chunked_loss_trains_like_the_full_loss(runs):
+    full, chunked = runs["zero3"], runs["zero3_chunked"]
+    assert losses(chunked) == pytest.approx(losses(full), rel=1e-6)
+    assert grad_norms(chunked) == pytest.approx(grad_norms(full), rel=1e-6)
+    stdout = (chunked / "stdout.log").read_text()
+    assert stdout.count("model.kernels: liger: liger needs CUDA; using PyTorch kernels\n") == 1  # rank 0, once
+
+
+def test_fused_and_foreach_adamw_train_alike(runs):
+    fused, foreach = runs["zero3"], runs["zero3_foreach"]
+    assert "AdamW fused" in (fused / "stdout.log").read_text()
+    assert "AdamW foreach" in (foreach / "stdout.log").read_text()
+    assert losses(foreach) == pytest.approx(losses(fused), rel=1e-6)
+    assert grad_norms(foreach) == pytest.approx(grad_norms(fused), rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["single", "ddp", "zero2", "zero3", "hybrid_zero3_2x2", "tp2", "zero3_compiled"])
+def test_every_layout_ends_with_a_sample(runs, name):
+    stdout = (runs[name] / "stdout.log").read_text()
+    assert re.search(r"^ +sample  def ", stdout, re.M) and "sample failed" not in stdout, stdout[-2000:]
+    assert read_status(runs[name])["state"] == "finished"
 
 
 @pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16", "zero3_fp16"])

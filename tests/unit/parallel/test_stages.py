@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from clustertrain.errors import ConfigError
@@ -82,6 +83,24 @@ def test_packed_documents_stay_apart_across_stages(input_ids):
         alone = run(stages, second)
         packed = run(stages, input_ids[:1], PACKED[:1])[:, 5:]
     torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+
+
+def test_stages_mask_packed_documents_with_flex_attention(input_ids):
+    """Each stage builds flex_attention's BlockMasks (qwen2: full and sliding-window layers) from the positions
+    that travel with the activations, and computes what the full model computes with sdpa's dense masks
+    (forward only: no flex backward on CPU)."""
+    torch._dynamo.reset()  # flex_attention compiles for these shapes alone: see test_attention.py's fresh_flex
+    stages = [build_stage(build("qwen2", "flex_attention"), s, 2).eval() for s in range(2)]
+    masks = []
+    for stage in stages:
+        for layer in stage.layers.values():
+            layer.self_attn.register_forward_pre_hook(
+                lambda module, args, kwargs: masks.append(kwargs["attention_mask"]), with_kwargs=True)
+    with torch.no_grad():
+        expected = build("qwen2")(input_ids=input_ids, position_ids=PACKED, use_cache=False).logits
+        got = run(stages, input_ids, PACKED)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    assert len(masks) == 4 and all(isinstance(mask, BlockMask) for mask in masks)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

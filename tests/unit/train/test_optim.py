@@ -27,3 +27,18 @@ def test_token_budget_sets_the_step_count():
     config = load_config(None, ["train.tokens=100000", "train.global_batch_size=16", "data.seq_len=128"])
     assert total_steps(config) == 49  # ceil(100000 / 2048)
     assert total_steps(load_config(None, ["train.steps=7"])) == 7
+
+
+def test_adamw_kernel_is_fused_where_torch_has_one():
+    import torch
+
+    from clustertrain.errors import ConfigError
+    from clustertrain.train.optim import adamw_kernel
+
+    cpu = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
+    assert adamw_kernel(cpu, "auto") == {"fused": True}  # CPU's fused AdamW, torch >= 2.4
+    assert adamw_kernel(cpu, "foreach") == {"foreach": True}
+    meta = [torch.nn.Parameter(torch.ones(2, device="meta"))]
+    assert adamw_kernel(meta, "auto") == {"foreach": True}
+    with pytest.raises(ConfigError, match=r"optim.implementation = 'fused': .* on \['meta'\]; use auto or foreach"):
+        adamw_kernel(meta, "fused")

@@ -1,0 +1,155 @@
+"""Which attention kernel a run uses (`model.attn_implementation`), and keeping packed documents apart with it.
+
+    attn = resolve_attention(model.attn_implementation, hf_config, device.type, dtype=torch.bfloat16,
+                             packed_documents=data.doc_masking or data.mode == "sft", pipeline=parallel.pp > 1)
+    meta = build_meta_model(hf_config, lora, base_dtype, attn)   # clustertrain.model.load
+
+`auto` is sdpa, except on a GPU when attention must stay inside the documents packed into a row (position
+ids that restart inside the row: `data.doc_masking`, or SFT). sdpa then gets a dense mask, which rules out
+its flash kernel, so those runs take flash_attention_2 when flash-attn is installed, else flex_attention.
+
+How transformers 5 keeps packed documents apart (`masking_utils.create_causal_mask`), per kernel:
+
+- sdpa, eager: one dense [batch, 1, seq, seq] mask per forward (boolean for sdpa, additive float for
+  eager), built from the restarts and shared by the layers.
+- flex_attention: the same mask function turned into a `BlockMask` (block indices, no dense mask); blocks
+  outside every document are skipped.
+- flash_attention_2: no mask; the kernel takes the documents as cumulative lengths (`flash_attn_varlen_func`).
+  transformers derives them from position_ids only for a single row, so with several rows it would attend
+  across documents: `keep_packed_documents_apart` passes the lengths of every row's documents itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from clustertrain.errors import ConfigError
+
+KEY = "model.attn_implementation"
+
+
+def resolve_attention(choice: str, hf_config: PretrainedConfig, device_type: str, *, dtype: torch.dtype,
+                      packed_documents: bool, pipeline: bool = False) -> str:
+    """The attention kernel to build the model with: `choice` (`model.attn_implementation`), auto decided.
+
+    Args:
+        choice: auto, sdpa, flash_attention_2, flex_attention or eager.
+        hf_config: the model's HF config (some families support neither flash-attn nor flex).
+        device_type: the run's device type ("cuda" on ROCm too).
+        dtype: the compute dtype (`parallel.param_dtype`); flash-attn computes in bfloat16 or float16 only.
+        packed_documents: attention must stay inside the documents packed into a row.
+        pipeline: pipeline stages (`parallel.pp > 1`), which call the decoder layers themselves.
+
+    Raises:
+        ConfigError: an explicit choice that cannot run or train here, in one line that says what would.
+    """
+    supports = _supported(hf_config)
+    arch = hf_config.model_type
+    if choice == "auto":
+        if device_type != "cuda" or not packed_documents:
+            return "sdpa"
+        flash_fits = "flash_attention_2" in supports and not pipeline and dtype != torch.float32
+        if flash_fits and _flash_attn_problem() is None:
+            return "flash_attention_2"
+        return "flex_attention" if "flex_attention" in supports else "sdpa"
+    if choice in ("flash_attention_2", "flex_attention") and choice not in supports:
+        raise ConfigError(f"{KEY} = {choice}: transformers has no {choice} for {arch}; use auto or sdpa")
+    if choice == "flash_attention_2":
+        if device_type != "cuda":
+            raise ConfigError(f"{KEY} = flash_attention_2 needs a CUDA or ROCm GPU and this run is on {device_type}; "
+                              "use auto or sdpa")
+        problem = _flash_attn_problem()
+        if problem is None and dtype == torch.float32:
+            problem = "computes in bfloat16 or float16 only (set parallel.param_dtype: bfloat16)"
+        if problem is None and pipeline and packed_documents:
+            problem = "does not keep packed documents apart in pipeline stages (parallel.pp > 1)"
+        if problem:
+            raise ConfigError(f"{KEY} = flash_attention_2 {problem}; use auto, flex_attention or sdpa")
+    if choice == "flex_attention" and device_type == "cpu" and not _flex_attention_trains_on_cpu():
+        raise ConfigError(f"{KEY} = flex_attention cannot train on CPU (torch {torch.__version__} has no "
+                          "FlexAttention backward there); use auto or sdpa, which mask packed documents exactly")
+    return choice
+
+
+def keep_packed_documents_apart(model: nn.Module) -> None:
+    """Make flash_attention_2 keep the documents of packed rows apart, for any number of rows (`model`: an HF
+    causal LM, not yet LoRA-wrapped, as `build_meta_model` has it).
+
+    A forward pre-hook on the HF base model (e.g. `LlamaModel`) turns restarting `position_ids` into the
+    cumulative document lengths that transformers hands to flash-attn's varlen kernel (`cu_seq_lens_q/k`).
+    Calls with a padding mask or a KV cache (generation) are left alone.
+    """
+    base = getattr(model, "base_model", model)
+    base.register_forward_pre_hook(_add_document_lengths, with_kwargs=True)
+
+
+def document_lengths(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """flash-attn varlen arguments for rows of packed documents: a document starts at each row's start and
+    wherever a position does not follow the one before it (as `masking_utils.find_packed_sequence_indices`).
+
+    The cumulative lengths index the rows laid end to end. The row length serves as the longest document:
+    flash-attn only needs an upper bound, and this one costs no read from the GPU (finding the starts does
+    cost one per forward, as transformers' own derivation for a single row does).
+    """
+    rows, length = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    ends = torch.tensor([rows * length], device=position_ids.device)
+    cumulative = torch.cat([starts.flatten().nonzero().flatten(), ends]).to(torch.int32)
+    return {"cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": length, "max_length_k": length}
+
+
+def _add_document_lengths(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    positions = kwargs.get("position_ids")
+    if (positions is None or positions.ndim != 2 or args or kwargs.get("attention_mask") is not None
+            or kwargs.get("past_key_values") is not None or "cu_seq_lens_q" in kwargs):
+        return None
+    inputs = kwargs.get("input_ids")
+    rows = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[0]
+    return args, {**kwargs, **document_lengths(positions.expand(rows, -1))}
+
+
+def _supported(hf_config: PretrainedConfig) -> set[str]:
+    """The kernels transformers implements for this family (all of them when the class is unknown)."""
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except (KeyError, AttributeError):
+        return {"sdpa", "eager", "flash_attention_2", "flex_attention"}
+    flags = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn",
+             "flex_attention": "_supports_flex_attn"}
+    return {"eager"} | {name for name, flag in flags.items() if getattr(cls, flag, False)}
+
+
+def _flash_attn_problem() -> str | None:
+    """Why flash_attention_2 cannot run here, or None: the package must be installed, import, and see a GPU."""
+    from transformers.utils import is_flash_attn_2_available
+
+    if importlib.util.find_spec("flash_attn") is None:
+        return ("needs the flash-attn package (pip install flash-attn --no-build-isolation; ROCm: "
+                "ROCm/flash-attention), which is not installed")
+    try:
+        importlib.import_module("flash_attn")
+    except (ImportError, OSError) as e:
+        return f"needs flash-attn, which is installed but does not import ({e})"
+    if not is_flash_attn_2_available():
+        return "needs flash-attn >= 2.3.3 and a GPU that torch can see"
+    return None
+
+
+def _flex_attention_trains_on_cpu() -> bool:
+    """Whether the installed torch has a FlexAttention backward on CPU (none up to at least 2.13)."""
+    from torch.nn.attention import flex_attention
+
+    check = getattr(flex_attention, "_validate_device", None)
+    if check is None:
+        return True  # the check is gone: torch itself will say if something is missing
+    probe = torch.zeros(1, 1, 1, 8, requires_grad=True)
+    try:
+        check(probe, probe, probe)
+    except NotImplementedError:
+        return False
+    return True

@@ -1,0 +1,276 @@
+"""The one loss: the chunked output layer + cross entropy equals the full loss, never holds [N, V] fp32 logits,
+runs inside the model's head (plain, LoRA, pipeline stage), compiles without graph breaks; Liger falls back."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.model.kernels import Kernels, apply_kernels, liger_unavailable
+from clustertrain.parallel.stages import build_stage
+from clustertrain.train.loss import (
+    LossHead, apply_loss_head, chunked_loss_sum, full_loss_sum, output_loss_sum, resolve_loss, token_loss_sum,
+)
+
+N, H, V = 37, 16, 50  # a chunk of 8 rows does not divide 37
+
+
+def inputs(bias: bool, frozen_weight: bool = False, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g, requires_grad=not frozen_weight)
+    b = torch.randn(V, generator=g, requires_grad=True) if bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::3] = IGNORE_INDEX
+    labels[8:16] = IGNORE_INDEX  # one whole chunk of 8 ignored
+    return hidden, weight, b, labels
+
+
+def loss_and_grads(fn, hidden, weight, bias, labels):
+    params = [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+    loss = fn(hidden, weight, bias, labels)
+    return loss.detach(), torch.autograd.grad(loss * 3.0, params)  # an upstream scale, as the step applies
+
+
+def full(hidden, weight, bias, labels):
+    return full_loss_sum(F.linear(hidden, weight, bias), labels)
+
+
+def assert_relative(got, expected, rel=1e-6):
+    """Equal to `rel` of the tensor's largest magnitude (elementwise relative fails on values near 0)."""
+    assert (got - expected).abs().max() <= rel * expected.abs().max(), (got - expected).abs().max()
+
+
+@pytest.mark.parametrize("chunk", [8, 37, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_loss_and_gradients_equal_the_full_loss(chunk, bias):
+    args = inputs(bias)
+    loss, grads = loss_and_grads(lambda *a: chunked_loss_sum(*a, chunk_tokens=chunk), *args)
+    ref_loss, ref_grads = loss_and_grads(full, *args)
+    assert_relative(loss, ref_loss)
+    assert len(grads) == len(ref_grads) == (3 if bias else 2)
+    for got, expected in zip(grads, ref_grads):
+        assert_relative(got, expected)
+
+
+@pytest.mark.parametrize("precision", ["autocast", "bfloat16_params"])
+def test_in_bfloat16_the_chunked_loss_tracks_the_full_loss(precision):
+    """DDP or one rank computes under autocast, FSDP on bf16 parameters; the logits are bf16 in both losses.
+    The weight gradient differs by bf16 rounding only: the chunked loss sums its chunks' products in fp32."""
+    hidden, weight, _, labels = inputs(bias=False)
+    if precision == "bfloat16_params":
+        hidden, weight = (t.detach().bfloat16().requires_grad_() for t in (hidden, weight))
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+    with context:
+        loss, grads = loss_and_grads(lambda *a: chunked_loss_sum(*a, chunk_tokens=8), hidden, weight, None, labels)
+        ref_loss, ref_grads = loss_and_grads(full, hidden, weight, None, labels)
+    assert_relative(loss, ref_loss, rel=1e-5)
+    for got, expected in zip(grads, ref_grads):
+        assert got.dtype == expected.dtype
+        assert_relative(got.float(), expected.float(), rel=2e-2)
+
+
+def test_a_frozen_head_takes_no_weight_gradient_and_the_same_hidden_gradient():
+    args = inputs(bias=False, frozen_weight=True)
+    (loss, (d_hidden,)), (ref_loss, (ref_d_hidden,)) = (loss_and_grads(lambda *a: chunked_loss_sum(*a, 8), *args),
+                                                        loss_and_grads(full, *args))
+    assert_relative(loss, ref_loss)
+    assert_relative(d_hidden, ref_d_hidden)
+
+
+def test_without_autograd_only_the_loss_is_computed():
+    hidden, weight, bias, labels = inputs(bias=True)
+    with torch.no_grad():
+        loss = chunked_loss_sum(hidden, weight, bias, labels, 8)
+        assert_relative(loss, full(hidden, weight, bias, labels))
+    assert loss.grad_fn is None
+
+
+def test_all_labels_ignored_is_zero_loss_and_zero_gradient():
+    hidden, weight, _, labels = inputs(bias=False)
+    loss, (d_hidden, d_weight) = loss_and_grads(lambda *a: chunked_loss_sum(*a, 8), hidden, weight, None,
+                                                torch.full_like(labels, IGNORE_INDEX))
+    assert loss == 0 and not d_hidden.any() and not d_weight.any()
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements of any tensor an op creates (forward and backward, saved or temporary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.numel = max([self.numel] + [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        return out
+
+
+def largest_tensors(fn, n=64, h=8, v=1000):
+    """(largest tensor created, largest tensor saved for backward) by fn's forward and backward."""
+    hidden, weight = torch.randn(n, h, requires_grad=True), torch.randn(v, h, requires_grad=True)
+    labels = torch.randint(0, v, (n,))
+    saved = [0]
+
+    def pack(t):
+        saved[0] = max(saved[0], t.numel())
+        return t
+
+    with LargestTensor() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(hidden, weight, None, labels).backward()
+    return mode.numel, saved[0]
+
+
+def test_the_chunked_loss_never_holds_the_full_logits():
+    n, v, chunk = 64, 1000, 16
+    created, saved = largest_tensors(lambda *a: chunked_loss_sum(*a, chunk_tokens=chunk), n=n, v=v)
+    assert created <= chunk * v, "a tensor larger than one chunk's logits was created"
+    assert saved < n * v
+    # the measure sees the full loss's logits, so it would see them in the chunked loss too
+    created, saved = largest_tensors(full, n=n, v=v)
+    assert created >= n * v and saved >= n * v
+
+
+def test_the_chunked_loss_compiles_without_graph_breaks():
+    hidden, weight, bias, labels = inputs(bias=True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(chunked_loss_sum)(hidden, weight, bias, labels, 8)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    with torch.no_grad():
+        explained = torch._dynamo.explain(chunked_loss_sum)(hidden, weight, bias, labels, 8)
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_auto_is_chunked_from_a_32k_vocabulary():
+    assert resolve_loss("auto", 32768) == "chunked" and resolve_loss("auto", 32767) == "full"
+    assert resolve_loss("full", 128256) == "full" and resolve_loss("chunked", 512) == "chunked"
+
+
+def tiny_llama(tied: bool = False):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def batch(vocab=512):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 24), generator=g)
+    labels = torch.roll(ids, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[0, :5] = IGNORE_INDEX
+    return ids, labels
+
+
+def grads_of(model, ids, labels):
+    model.zero_grad()
+    loss = token_loss_sum(model, ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_models_head_computes_the_chunked_loss(tied):
+    plain = tiny_llama(tied)
+    chunked = copy.deepcopy(plain)
+    names = [n for n, _ in chunked.named_parameters(remove_duplicate=False)]
+    assert apply_loss_head(chunked, "chunked", chunk_tokens=7) == ("chunked", None)
+    assert isinstance(chunked.lm_head, LossHead)
+    assert [n for n, _ in chunked.named_parameters(remove_duplicate=False)] == names  # checkpoints unchanged
+    assert (chunked.lm_head.weight is chunked.model.embed_tokens.weight) == tied
+    ids, labels = batch()
+    (loss, grads), (ref_loss, ref_grads) = grads_of(chunked, ids, labels), grads_of(plain, ids, labels)
+    assert_relative(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        assert_relative(grads[name], ref_grads[name], rel=1e-5)  # through the blocks: fp32 summation order
+    with torch.no_grad():  # no targets: logits, as generation needs
+        assert torch.equal(chunked(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+def test_lora_keeps_the_chunked_head_and_trains_its_adapters_alike():
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    plain = peft.get_peft_model(tiny_llama(), config)
+    chunked = copy.deepcopy(plain)
+    assert apply_loss_head(chunked, "chunked", chunk_tokens=16)[0] == "chunked"
+    ids, labels = batch()
+    (loss, grads), (ref_loss, ref_grads) = grads_of(chunked, ids, labels), grads_of(plain, ids, labels)
+    assert_relative(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and all(".lora_" in n for n in grads)
+    for name in grads:
+        assert_relative(grads[name], ref_grads[name], rel=1e-5)
+
+
+def test_a_lora_adapted_head_keeps_the_full_loss():
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"])
+    model = peft.get_peft_model(tiny_llama(), config)
+    kind, note = apply_loss_head(model, "chunked", chunk_tokens=16)
+    assert kind == "full" and note.startswith("train.loss: chunked: ") and "using the full loss" in note
+
+
+def test_a_model_that_changes_its_logits_after_the_head_keeps_the_full_loss():
+    config = AutoConfig.for_model("gemma2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    kind, note = apply_loss_head(model, "chunked", chunk_tokens=16)
+    assert kind == "full" and "gemma2" in note and not isinstance(model.lm_head, LossHead)
+
+
+def test_a_fused_loss_replaces_the_chunked_one():
+    model = tiny_llama()
+    calls = []
+
+    def fused(hidden, weight, bias, labels):
+        calls.append(hidden.shape)
+        return full(hidden, weight, bias, labels)
+
+    assert apply_loss_head(model, "chunked", 16, fused=fused) == ("fused", None)
+    ids, labels = batch()
+    token_loss_sum(model, ids, labels)
+    assert calls == [torch.Size([48, 64])]
+
+
+def test_the_last_pipeline_stage_computes_the_loss_from_its_labels():
+    model = tiny_llama()
+    ids, labels = batch()
+    with torch.no_grad():
+        expected = token_loss_sum(model, ids, labels)
+    apply_loss_head(model, "chunked", chunk_tokens=5)
+    first, last = build_stage(model, 0, 2), build_stage(model, 1, 2)
+    outputs = first(ids, None, labels=labels)
+    assert len(outputs) == 2  # labels do not travel: the last stage's rank passes them itself
+    loss = last(*outputs, labels=labels)
+    assert loss.shape == (1,)  # one element per microbatch: the schedule concatenates them
+    assert_relative(output_loss_sum(loss, labels), expected, rel=1e-5)
+    assert last(*outputs).shape == (2, 24, 512)  # without labels: logits
+
+
+def test_liger_falls_back_on_cpu_with_one_line():
+    model = tiny_llama()
+    assert apply_kernels(model, "liger", torch.device("cpu")) == Kernels(
+        "none", note="model.kernels: liger: liger needs CUDA; using PyTorch kernels")
+    assert apply_kernels(model, "auto", torch.device("cpu")) == Kernels("none")  # nothing else was expected
+    assert apply_kernels(model, "none", torch.device("cpu")) == Kernels("none")
+    assert "Liger" not in type(model.model.norm).__name__ and "liger" not in str(model.model.norm.forward)
+
+
+def test_liger_reasons_name_what_is_missing():
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    reason = liger_unavailable("llama", cuda)
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        assert reason == "liger-kernel is not installed (pip install liger-kernel)"
+    else:
+        assert reason is None and liger_unavailable("no-such-family", cuda) == "liger has no kernels for no-such-family"
+    assert liger_unavailable("llama", torch.device("cpu")) == "liger needs CUDA"
