@@ -35,14 +35,19 @@ def rank_device() -> torch.device:
 
 
 def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
-    """The device whose tensors `group` takes: this rank's device when the group's backend serves it
-    (NCCL serves cuda, gloo both), else the CPU (a gloo side group on a GPU rank)."""
-    served = {part.split(":")[0] for part in dist.get_backend_config(group).split(",")}
-    if _rank_device.type in served:
+    """The device whose tensors `group` takes: this rank's GPU for an NCCL group, the CPU for a gloo group.
+
+    Gloo also accepts GPU tensors, but copies them to the host, which waits for the GPU: a gloo side group
+    (stop agreement, async saves) exists precisely to keep the training stream free of such syncs.
+    """
+    backends = dict(part.split(":") for part in dist.get_backend_config(group).split(","))
+    if backends.get(_rank_device.type, "gloo") != "gloo":
         return _rank_device
-    if "cpu" in served:
+    if "cpu" in backends:
         return torch.device("cpu")
-    raise RuntimeError(f"process group with backends {sorted(served)} serves neither {_rank_device} nor the CPU")
+    if _rank_device.type in backends:
+        return _rank_device
+    raise RuntimeError(f"process group with backends {backends} serves neither {_rank_device} nor the CPU")
 
 
 def all_reduce(values: torch.Tensor | Sequence[float], group: dist.ProcessGroup | None = None,

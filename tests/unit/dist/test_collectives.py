@@ -62,10 +62,12 @@ def test_a_cpu_scalar_fails_on_a_group_without_a_cpu_backend(world):
 def test_group_device_follows_the_backend(world):
     collectives.set_rank_device(torch.device("cuda", 3))  # a GPU rank: only a device object, nothing allocated
     assert collectives.group_device(world) == torch.device("cuda", 3)
-    assert collectives.group_device(None) == torch.device("cuda", 3)  # gloo serves cuda tensors too
-    side = dist.new_group(backend="gloo")
+    # gloo accepts cuda tensors too, but by a copy that waits for the GPU: its groups get CPU tensors
+    assert collectives.group_device(None) == torch.device("cpu")
+    both = dist.new_group(backend="cpu:gloo,cuda:cudaonly")
+    assert collectives.group_device(both) == torch.device("cuda", 3)
     collectives.set_rank_device(torch.device("cpu"))
-    assert collectives.group_device(side) == torch.device("cpu")
+    assert collectives.group_device(both) == torch.device("cpu")
     with pytest.raises(RuntimeError, match="serves neither cpu"):
         collectives.group_device(world)
 
