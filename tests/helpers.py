@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,13 +40,61 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300)
 
 
 def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: str | None = None,
-          extra_args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Train the tiny model into `run_dir`; fails the test with the output if the run fails."""
+          extra_args: tuple[str, ...] = (), expect: int = 0) -> subprocess.CompletedProcess:
+    """Train the tiny model into `run_dir`; fails the test with the output unless the run exits `expect`."""
     args = ["train", *([config] if config else []), *(["--nproc", str(nproc)] if nproc else []), *extra_args]
     args += [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
     result = run_cli(*args)
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     return result
+
+
+def start(run_dir: Path, *overrides: str, nproc: int | None = 2, preexec_fn=None) -> subprocess.Popen:
+    """Start training the tiny model in the background, in a session of its own (for signals and kills);
+    `nproc=None` runs one rank without the `--nproc` launcher."""
+    args = [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
+    return subprocess.Popen(
+        [sys.executable, "-m", "clustertrain", "train", *(["--nproc", str(nproc)] if nproc else []), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=preexec_fn,
+    )
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Poll until the run in `run_dir` has logged training step `step`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        if max(losses(run_dir), default=0) >= step if (run_dir / "metrics.jsonl").exists() else False:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+def wait_for_saves(run_dir: Path, proc: subprocess.Popen, count: int, timeout: float = 120) -> bool:
+    """Poll until the `count`-th checkpoint write of this launch starts; True if it was caught mid-save."""
+    deadline, seen = time.monotonic() + timeout, set()
+    while time.monotonic() < deadline and proc.poll() is None:
+        for tmp in (run_dir / "checkpoints").glob(".tmp-step-*") if (run_dir / "checkpoints").exists() else ():
+            seen.add(tmp.name)
+            if len(seen) >= count:
+                return True
+        time.sleep(0.002)
+    return False
+
+
+def children(pid: int) -> list[int]:
+    """The process ids of `pid`'s children."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -26,19 +26,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, agree, check_fits, load_state,
+                                            open_checkpoint, read_rng)
 from clustertrain.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
-TRAIN_STATE = "train_state.json"
-
-
-class SafeLoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP unpickles non-tensor values (optimizer hyperparameters) freely; admit only plain data."""
-
-    def load_bytes(self, read_item, value) -> None:
-        torch.load(value, weights_only=True)  # raises on anything but tensors and plain Python data
-        value.seek(0)
-        super().load_bytes(read_item, value)
 
 
 def step_dir_name(step: int) -> str:
@@ -154,41 +146,90 @@ def _step(path: Path) -> int:
 def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer) -> dict[str, Any]:
     """Load a checkpoint into this run's (possibly differently sharded) model and optimizer.
 
-    `model` may be a rank's list of pipeline stages, with its StageOptimizers (see write_shards).
+    `model` may be a rank's list of pipeline stages, with its StageOptimizers (see write_shards). Every rank
+    calls this. Nothing is loaded before every file the load needs and every tensor's shape have been checked.
+
+    Raises:
+        CheckpointError: one line, the same on every rank: a damaged file (ending with `--resume PATH` of the
+            previous intact checkpoint where there is one), or a model whose shapes differ from the checkpoint's.
     """
     if not (path / TRAIN_STATE).exists():
         raise CheckpointError(f"{path} is not a complete clustertrain checkpoint (no {TRAIN_STATE})")
-    has_optim = any(k.startswith("optim") for k in dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    problem = None
+    try:  # rank 0 checks the shard files; each rank its own RNG state
+        opened = open_checkpoint(path, rng_rank=rank, shards=rank == 0)
+        if opened.rng is not None:  # a rank that did not exist in the saving run keeps its seeded state
+            _restore_rng(path / f"rng-{rank}.json", opened.rng)  # nothing below draws random numbers
+    except DamagedCheckpoint as e:
+        problem = str(e)
+    problem = agree(problem)
+    if problem:
+        raise with_hint(problem, path, resume=True)
+    has_optim = any(k.startswith("optim.") for k in opened.metadata.state_dict_metadata)
     parts = _parts(model, optimizer)
     if optimizer is None or not has_optim:  # an imported HF model: weights only, fresh optimizer
         model_states = [get_state_dict(module, [])[0] for module, _ in parts]
-        merged = {k: v for model_state in model_states for k, v in model_state.items()}
-        dcp.load({"model": merged}, checkpoint_id=path, planner=SafeLoadPlanner())  # in place: shared tensors
-        for (module, _), model_state in zip(parts, model_states):
-            set_state_dict(module, [], model_state_dict=model_state, optim_state_dict={})
+        state = {"model": {k: v for model_state in model_states for k, v in model_state.items()}}
     else:
         states = [get_state_dict(module, optim) for module, optim in parts]
         renamed = [_rename_optim_state(optim_state, _tied_copies(module))
                    for (module, _), (_, optim_state) in zip(parts, states)]
         state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
                  "optim": _merge_optim(renamed)}
-        dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
-        loaded = state["optim"]
-        for (module, optim), (model_state, _), own in zip(parts, states, renamed):
-            # each optimizer keeps its own parameters, with the saved hyperparameters of their group
-            groups = [{**(loaded["param_groups"][j] if j < len(loaded["param_groups"]) else {}),
-                       "params": group["params"]} for j, group in enumerate(own["param_groups"])]
-            optim_state = {"state": {k: loaded["state"][k] for k in own["state"]}, "param_groups": groups}
-            copies = _tied_copies(module)
-            optim_state = _rename_optim_state(optim_state, {v: k for k, v in copies.items()})
-            set_state_dict(module, optim, model_state_dict=model_state, optim_state_dict=optim_state)
-    rng = path / f"rng-{dist.get_rank() if dist.is_initialized() else 0}.json"
-    if rng.exists():  # a rank that did not exist in the saving run keeps its seeded state
-        set_rng_state(json.loads(rng.read_text()))
+    check_fits(path, opened.metadata, state)
     try:
-        return json.loads((path / TRAIN_STATE).read_text())
-    except json.JSONDecodeError:
-        raise CheckpointError(f"{path / TRAIN_STATE} is damaged (not JSON); resume from an earlier checkpoint") from None
+        load_state(state, path, opened.metadata)  # in place: shared tensors
+    except DamagedCheckpoint as e:
+        raise with_hint(str(e), path, resume=True) from None
+    if "optim" not in state:
+        for (module, _), model_state in zip(parts, model_states):
+            set_state_dict(module, [], model_state_dict=model_state, optim_state_dict={})
+        return opened.train_state
+    loaded = state["optim"]
+    for (module, optim), (model_state, _), own in zip(parts, states, renamed):
+        # each optimizer keeps its own parameters, with the saved hyperparameters of their group
+        groups = [{**(loaded["param_groups"][j] if j < len(loaded["param_groups"]) else {}),
+                   "params": group["params"]} for j, group in enumerate(own["param_groups"])]
+        optim_state = {"state": {k: loaded["state"][k] for k in own["state"]}, "param_groups": groups}
+        copies = _tied_copies(module)
+        optim_state = _rename_optim_state(optim_state, {v: k for k, v in copies.items()})
+        set_state_dict(module, optim, model_state_dict=model_state, optim_state_dict=optim_state)
+    return opened.train_state
+
+
+def _restore_rng(file: Path, state: dict[str, Any]) -> None:
+    try:
+        set_rng_state(state)
+    except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as e:
+        raise DamagedCheckpoint(f"{file} is damaged (not an RNG state: {type(e).__name__})") from None
+
+
+def with_hint(problem: str, path: Path, resume: bool) -> CheckpointError:
+    """`problem` of damaged checkpoint `path` as an error that names the previous intact checkpoint, if any:
+    as `--resume PATH` for training (`resume`), else as a path. Never a silent fallback."""
+    previous = previous_intact(path)
+    if previous is None:
+        return CheckpointError(problem)
+    if resume:
+        return CheckpointError(f"{problem}; to go on from the previous intact checkpoint: --resume {previous}")
+    return CheckpointError(f"{problem}; the previous intact checkpoint is {previous}")
+
+
+def previous_intact(path: Path) -> Path | None:
+    """The newest complete checkpoint beside `path` and older than it whose files all check out, or None."""
+    if not STEP_DIR.match(path.name):
+        return None
+    older = [p for p in list_checkpoints(path.parent) if _step(p) < _step(path)]
+    for candidate in reversed(older):
+        try:
+            opened = open_checkpoint(candidate)
+            for rank in range(opened.train_state.get("world_size", 0)):
+                read_rng(candidate / f"rng-{rank}.json")
+        except DamagedCheckpoint:
+            continue
+        return candidate
+    return None
 
 
 def _parts(model: nn.Module | list[nn.Module], optimizer) -> list[tuple[nn.Module, Optimizer | None]]:

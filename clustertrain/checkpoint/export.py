@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import warnings
 from collections.abc import Callable
@@ -19,16 +20,17 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
-from clustertrain.checkpoint.dcp import TRAIN_STATE, SafeLoadPlanner, latest_checkpoint
+from clustertrain.checkpoint.dcp import latest_checkpoint, with_hint
+from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, check_fits, first_line, load_state,
+                                            open_checkpoint)
 from clustertrain.config.load import dump_config, load_config, validate
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import CheckpointError
 from clustertrain.model.load import build_hf_config, build_meta_model
-from clustertrain.model.weights import init_weights
+from clustertrain.model.weights import init_weights, refusal
 
 # Config fields that describe the file rather than the model; they never go into model.config.
 _FILE_FIELDS = {"architectures", "dtype", "torch_dtype", "transformers_version", "model_type", "auto_map"}
@@ -61,6 +63,10 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
         (model in eval mode, tokenizer or None, the run's resolved config).
     """
     path = resolve_checkpoint(ckpt_dir)
+    try:
+        opened = open_checkpoint(path)
+    except DamagedCheckpoint as e:
+        raise with_hint(str(e), path, resume=False) from None
     if not (path / "config.yaml").is_file():
         raise CheckpointError(f"{path}: no config.yaml, so the model cannot be rebuilt")
     config = load_config(path / "config.yaml")
@@ -75,10 +81,13 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
     model = build_meta_model(hf_config, config.lora)
     init_weights(model, torch.device("cpu"), seed=0)  # also fills non-persistent buffers (rotary tables)
     state = {"model": get_model_state_dict(model)}
-    _check_fits(path, state["model"])
+    check_fits(path, opened.metadata, state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
+        try:
+            load_state(state, path, opened.metadata)
+        except DamagedCheckpoint as e:
+            raise with_hint(str(e), path, resume=False) from None
     set_model_state_dict(model, state["model"])
     return model.eval(), tokenizer, config
 
@@ -132,8 +141,11 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     _refuse_non_empty(out_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+    except pickle.UnpicklingError as e:  # transformers reads .bin files weights-only
+        files = ", ".join(str(f) for f in sorted(hf_dir.glob("*.bin"))) or str(hf_dir)
+        raise CheckpointError(f"{files} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{hf_dir}: cannot load a causal LM: {_first_line(e)}") from None
+        raise CheckpointError(f"{hf_dir}: cannot load a causal LM: {first_line(e)}") from None
     tokenizer = None
     if any((hf_dir / name).is_file() for name in _TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
@@ -180,26 +192,6 @@ def run_config_for(hf_config: PretrainedConfig, hf_dir: Path, has_tokenizer: boo
     return validate(raw)
 
 
-def _check_fits(path: Path, model_state: dict[str, torch.Tensor]) -> None:
-    """One line naming what is missing or misshapen, instead of DCP's multi-rank traceback."""
-    try:
-        saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    except (OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot read the checkpoint's metadata: {_first_line(e)}") from None
-    missing = [k for k in model_state if f"model.{k}" not in saved]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise CheckpointError(
-            f"{path}: the checkpoint lacks {', '.join(missing[:3])}{more}; it was written by another model"
-        )
-    for key, tensor in model_state.items():
-        size = getattr(saved[f"model.{key}"], "size", None)
-        if size is not None and tuple(size) != tuple(tensor.shape):
-            raise CheckpointError(
-                f"{path}: {key} is {tuple(size)} in the checkpoint but {tuple(tensor.shape)} in its config"
-            )
-
-
 def _refuse_non_empty(out_dir: Path) -> None:
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
@@ -219,8 +211,3 @@ def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
     if out_dir.is_dir():
         out_dir.rmdir()  # empty, checked before
     os.replace(tmp, out_dir)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from clustertrain.dist.spawn import EarlySignals
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -19,6 +23,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from clustertrain.dist.spawn import listen_early
+
+    # Before the slow imports (torch takes seconds): a SIGTERM now must not kill the run silently (exit 143),
+    # and a launcher's held-back signals arrive here; the trainer honours them at step 1.
+    with listen_early() as early:
+        return _run(args, early)
+
+
+def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     from clustertrain.config.load import load_config
     from clustertrain.errors import ConfigError
 
@@ -31,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         from clustertrain.dist.spawn import spawn_local
 
         argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
-        return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []))
+        return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []), early)
 
     from clustertrain.checkpoint.manager import Preempted
     from clustertrain.cli import is_rank0

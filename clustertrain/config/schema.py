@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -201,15 +201,19 @@ class ParallelConfig(Section):
     timeout_minutes: float = Field(10, gt=0, description="Collective timeout before a hung rank fails the run.")
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
 class OptimConfig(Section):
-    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    lr: float = Field(3e-3, gt=0, allow_inf_nan=False, description="Peak learning rate.")
     implementation: Literal["auto", "fused", "foreach"] = Field(
         "auto", description="AdamW kernel: fused (one kernel per step; CUDA, ROCm, and CPU in recent torch), foreach "
         "(batched tensor ops). auto: fused where the installed torch supports it for the device and parameters.",
     )
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decay of matrices (norms and biases never decay).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0, allow_inf_nan=False,
+                                description="AdamW decay of matrices (norms and biases never decay).")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.95), description="AdamW betas, each in [0, 1).")
+    eps: float = Field(1e-8, gt=0, allow_inf_nan=False, description="AdamW epsilon.")
     grad_clip: float = Field(1.0, ge=0, description="Clip the global gradient norm to this; 0 disables clipping.")
     warmup_steps: int = Field(20, ge=0, description="Steps of linear warmup from 0 to optim.lr.")
     schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -235,6 +239,11 @@ class TrainConfig(Section):
         "walltime_margin before it."
     )
     walltime_margin: float = Field(300, ge=0, description="Seconds before train.walltime to save and stop.")
+    on_nan: Literal["stop", "skip"] = Field(
+        "stop", description="A step whose loss or gradient norm is NaN or inf: stop (fail the run, exit 3, before "
+        "any checkpoint of the bad state is written) or skip (no update on any rank, counted as nan_skipped; the run "
+        "stops after 10 in a row). float16 runs skip overflowed steps through their loss scaler either way.",
+    )
 
     @model_validator(mode="after")
     def _walltime_parses(self) -> TrainConfig:
@@ -266,8 +275,9 @@ class CheckpointConfig(Section):
         "before the run ends."
     )
     on_error: Literal["warn", "stop"] = Field(
-        "warn", description="A failed write (disk full, permissions): warn and train on, or stop. The previous "
-        "checkpoint is kept either way."
+        "warn", description="A failed write (disk full, permissions): warn and train on, or stop (exit 74). The "
+        "previous checkpoint is kept either way, and a run's last save must succeed either way: if it fails, the run "
+        "fails (exit 74)."
     )
 
 

@@ -1,13 +1,56 @@
-"""`clustertrain train --nproc N`: start N local ranks of the same command, as torchrun would."""
+"""`clustertrain train --nproc N`: start N local ranks of the same command, as torchrun would.
+
+Ranks die with their launcher: each starts with a parent-death signal (SIGKILL, see `_rank_setup`) in a
+session (so a process group) of its own, as torchrun's do: the launcher can take a rank down with its
+DataLoader workers, and a terminal's Ctrl-C reaches only the launcher, which forwards it. Stop signals
+are held back in a new rank until it listens for them (`listen_early`), so none is lost or fatal while
+Python and torch start.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # save and stop; a second SIGINT: stop now
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+class EarlySignals:
+    """The stop signals that arrive before the trainer listens (imports, config, model build).
+
+    The trainer's StopRequests takes them over, so a warning during start-up is honoured at step 1. A
+    second Ctrl-C exits at once (KeyboardInterrupt), as Python's default would at the first.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def __call__(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and self.received:
+            raise KeyboardInterrupt
+        self.received.append(signum)
+
+
+@contextlib.contextmanager
+def listen_early() -> Iterator[EarlySignals]:
+    """Record stop signals from now on, then let through those a launcher held back while this process started."""
+    early = EarlySignals()
+    previous = {s: signal.signal(s, early) for s in STOP_SIGNALS}
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    try:
+        yield early
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def free_port() -> int:
@@ -17,32 +60,90 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(nproc: int, argv: list[str]) -> int:
+def spawn_local(nproc: int, argv: list[str], early: EarlySignals | None = None) -> int:
     """Run `python -m clustertrain *argv` as `nproc` ranks on this host and wait for them.
 
     The first rank that fails stops the others. Signals sent to this process (SIGTERM, SIGUSR1, SIGINT)
-    are forwarded to every rank so they can checkpoint. Returns the first non-zero exit code, else 0.
+    are forwarded to every rank so they can checkpoint, those in `early` (received before the ranks
+    existed) included; at a second SIGINT the ranks stop at once, and so does this launcher. Returns the
+    first non-zero exit code, else 0.
     """
     port = free_port()
     threads = max(1, len(os.sched_getaffinity(0)) // nproc)
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", str(threads))
-        procs.append(subprocess.Popen([sys.executable, "-m", "clustertrain", *argv], env=env))
+    setup = _rank_setup(os.getpid(), _libc())
+    procs: list[subprocess.Popen] = []
+    try:
+        for rank in range(nproc):
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                       LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.setdefault("OMP_NUM_THREADS", str(threads))
+            procs.append(subprocess.Popen([sys.executable, "-m", "clustertrain", *argv], env=env, preexec_fn=setup))
+    except BaseException:
+        _kill(procs)
+        raise
+    interrupts = 0
 
     def forward(signum, _frame):
+        nonlocal interrupts
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
+        interrupts += signum == signal.SIGINT
+        if interrupts == 2:
+            raise KeyboardInterrupt
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
+        for signum in early.received if early else ():
+            forward(signum, None)
         return _wait(procs)
+    except KeyboardInterrupt:  # the ranks got the second Ctrl-C too and exit at once: give them a moment
+        _kill(procs, grace_s=5)
+        return 128 + signal.SIGINT
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def _rank_setup(launcher: int, libc: ctypes.CDLL | None) -> Callable[[], None]:
+    """What a rank does between fork and exec: its own session, stop signals held, die with the launcher.
+
+    A session rather than only a process group: a background group of the terminal's session would be
+    stopped (SIGTTOU) for writing progress to a terminal set to `tostop`. The parent-death signal is
+    SIGKILL, not SIGTERM: a launcher that dies without forwarding a signal was killed hard (SIGKILL, the
+    OOM killer), and ranks that went on to save would race the next launch on the same run directory;
+    the last checkpoint is intact either way.
+    """
+    def setup() -> None:
+        os.setsid()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # pending until the rank's CLI listens
+        if libc is not None:
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != launcher:  # the launcher died before prctl
+                os.kill(os.getpid(), signal.SIGKILL)
+    return setup
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library, for prctl; None where there is no parent-death signal (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _kill(procs: list[subprocess.Popen], grace_s: float = 0) -> None:
+    """Kill the ranks still running after `grace_s` seconds, each with its process group (DataLoader workers)."""
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
@@ -53,11 +154,7 @@ def _wait(procs: list[subprocess.Popen]) -> int:
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
-            for p in procs:
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+            _kill(procs, grace_s=30)
             return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by signal N: 128 + N, as shells say
         if all(c == 0 for c in codes):
             return 0

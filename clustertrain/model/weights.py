@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import json
+import pickle
+import re
 import zlib
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
-from clustertrain.errors import ConfigError
+from clustertrain.errors import CheckpointError, ConfigError
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -138,7 +140,25 @@ def _read(path: Path, key: str, index: tuple[slice, ...]) -> torch.Tensor:
     return _bin(path)[key][index]
 
 
+def refusal(error: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused, in a few words, without its advice to load unsafely."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    if found:
+        return f"it refers to {found.group(1)}"
+    _, _, detail = str(error).partition("WeightsUnpickler error:")
+    return next((line.strip()[:200] for line in detail.splitlines() if line.strip()), type(error).__name__)
+
+
 @functools.lru_cache(maxsize=2)
 def _bin(path: Path) -> dict[str, torch.Tensor]:
     """A .bin checkpoint, memory-mapped (no copy in RAM) and without unpickling code."""
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
+    except (RuntimeError, OSError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path} is not a readable PyTorch weights file ({type(e).__name__}: "
+                              f"{(str(e).strip().splitlines() or [''])[0]})") from None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise CheckpointError(f"{path} holds no state dict of tensors and was not loaded")
+    return weights

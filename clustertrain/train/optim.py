@@ -36,37 +36,44 @@ class StageOptimizers:
 
 
 def build_optimizer(model: nn.Module | list[nn.Module], optim: OptimConfig,
-                    device: torch.device) -> torch.optim.AdamW | StageOptimizers:
+                    loss_scaling: bool = False) -> torch.optim.AdamW | StageOptimizers:
     """AdamW over the trainable parameters: matrices decay, vectors (norms, biases) do not (as in nanoGPT).
 
     A list of pipeline stages gets one AdamW each, in a StageOptimizers.
     """
     if isinstance(model, list):
-        return StageOptimizers([build_optimizer(stage, optim, device) for stage in model])
+        return StageOptimizers([build_optimizer(stage, optim, loss_scaling) for stage in model])
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                             **adamw_kernel(params, optim.implementation))
+                             **adamw_kernel(params, optim.implementation, loss_scaling))
 
 
-def adamw_kernel(params: list[torch.Tensor], implementation: str) -> dict[str, bool]:
+def adamw_kernel(params: list[torch.Tensor], implementation: str, loss_scaling: bool = False) -> dict[str, bool]:
     """`{"fused": True}` where the installed torch has a fused AdamW for these parameters' device and type
     (CUDA and ROCm, CPU since torch 2.4, DTensor shards included), else `{"foreach": True}`.
 
+    float16's loss scaling (`loss_scaling`) takes foreach: FSDP's ShardedGradScaler hands fused AdamW an
+    overflow flag of shape [1] where its step counters are scalars, and the step fails.
+
     Raises:
-        ConfigError: `implementation` is "fused" and torch has no fused kernel for these parameters.
+        ConfigError: `implementation` is "fused" and torch has no fused kernel for these parameters, or the
+            run scales its loss (float16).
     """
     if implementation == "foreach":
         return {"foreach": True}
+    if implementation == "fused" and loss_scaling:
+        raise ConfigError("optim.implementation = 'fused' does not work with parallel.param_dtype = float16 (its "
+                          "sharded loss scaler); use auto or foreach, or bfloat16")
     fused, _ = _default_to_fused_or_foreach(params, differentiable=False, use_fused=True)
     if implementation == "fused" and not fused:
         devices = sorted({p.device.type for p in params})
         raise ConfigError(f"optim.implementation = 'fused': torch {torch.__version__} has no fused AdamW for "
                           f"parameters on {devices}; use auto or foreach")
-    return {"fused": True} if fused else {"foreach": True}
+    return {"fused": True} if fused and not loss_scaling else {"foreach": True}
 
 
 def lr_at(step: int, total_steps: int, optim: OptimConfig) -> float:

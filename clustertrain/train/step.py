@@ -1,10 +1,16 @@
-"""One optimizer step: microbatches with gradient accumulation, a global-norm clip, the update."""
+"""One optimizer step: microbatches with gradient accumulation, a global-norm clip, the update.
+
+A step whose global gradient norm is NaN or inf is not applied where that costs nothing (`update`), and is
+counted on the device (`NonFiniteSteps`), so that the trainer can stop (or, with `train.on_nan: skip`,
+go on) before any checkpoint of a bad state is written, without a host sync per step.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,18 +21,33 @@ from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.dist.collectives import all_reduce
+from clustertrain.errors import UserError
 from clustertrain.parallel.pp import Pipeline
 from clustertrain.train.loss import token_loss_sum
 from clustertrain.train.optim import StageOptimizers
 
+DIVERGED_EXIT_CODE = 3
+MAX_SKIPS_IN_A_ROW = 10  # train.on_nan: skip gives up after this many non-finite steps in a row
+
+
+class Diverged(UserError):
+    """The loss or the gradient norm became NaN or inf (train.on_nan): one line, no traceback, exit 3."""
+
+    exit_code = DIVERGED_EXIT_CODE
+
 
 @dataclass
 class StepResult:
-    """What a step measured, left on the device: reading it forces a sync, so only log steps do."""
+    """What a step measured, left on the device: reading it forces a sync, so only log steps do.
+
+    `finite`: whether the global gradient norm was finite (see `update`), None under float16, whose loss
+    scaler skips overflowed steps by itself.
+    """
 
     loss_sum: torch.Tensor
     tokens: torch.Tensor
     grad_norm: torch.Tensor
+    finite: torch.Tensor | None = None
 
 
 def count_tokens(batch: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -48,6 +69,7 @@ def train_step(
     grad_clip: float,
     autocast_dtype: torch.dtype | None = None,
     scaler: ShardedGradScaler | None = None,
+    on_nan: str = "stop",
 ) -> StepResult:
     """Forward/backward this rank's share of a global batch, clip and update.
 
@@ -77,13 +99,9 @@ def train_step(
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, grad_clip)
-    if scaler:
-        scaler.step(optimizer)  # skipped when a gradient is inf or NaN
-        scaler.update()
-    else:
-        optimizer.step()
+    finite = update(optimizer, grad_norm, scaler, on_nan)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(local_loss, total_tokens, grad_norm)
+    return StepResult(local_loss, total_tokens, grad_norm, finite)
 
 
 def pipeline_train_step(
@@ -96,6 +114,7 @@ def pipeline_train_step(
     grad_clip: float,
     autocast_dtype: torch.dtype | None = None,
     scaler: ShardedGradScaler | None = None,
+    on_nan: str = "stop",
 ) -> StepResult:
     """train_step under pipeline parallelism: one schedule step over this rank's rows, then the same loss,
     clip and update, with tied copies summed first and the norm taken over every stage.
@@ -116,13 +135,90 @@ def pipeline_train_step(
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(pipeline.stages, grad_clip, pp_group=pipeline.mesh.pp_group,
                                uncounted=pipeline.tied_copies)
+    finite = update(optimizer, grad_norm, scaler, on_nan)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(local_loss, total_tokens, grad_norm, finite)
+
+
+def update(optimizer: torch.optim.Optimizer | StageOptimizers, grad_norm: torch.Tensor,
+           scaler: ShardedGradScaler | None, on_nan: str) -> torch.Tensor | None:
+    """The optimizer step, not applied when the global gradient norm is NaN or inf.
+
+    Every rank decides alike: the norm is global (reduced over the sharded and pipeline ranks; DDP's
+    gradients are averaged before it), and a NaN or inf loss makes the gradients non-finite. Fused AdamW
+    skips on the device, given the flag as the float16 scaler gives it (`found_inf`): no host sync. Other
+    kernels (foreach) need the flag on the host: one read per step under `on_nan: skip`; under `stop` the
+    update is applied, as the run stops at its next check, before any save. Under float16 the scaler skips
+    overflowed steps itself (an overflow lowers the scale; it is not a divergence), as before.
+
+    Returns:
+        whether the norm was finite, on the device; None under float16.
+    """
     if scaler:
         scaler.step(optimizer)  # skipped when a gradient is inf or NaN on any rank
         scaler.update()
-    else:
+        return None
+    finite = torch.isfinite(grad_norm)
+    optimizers = getattr(optimizer, "optimizers", [optimizer])  # a pipeline rank's StageOptimizers
+    if all(getattr(o, "_step_supports_amp_scaling", False) for o in optimizers):
+        found_inf = (~finite).float()
+        for o in optimizers:
+            o.grad_scale, o.found_inf = None, found_inf
+            try:
+                o.step()
+            finally:
+                del o.grad_scale, o.found_inf
+    elif on_nan == "stop" or finite.item():
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(local_loss, total_tokens, grad_norm)
+    return finite
+
+
+class NonFiniteSteps:
+    """Non-finite steps, counted on the device each step; `ended()` reads them in one host sync.
+
+    The run ends at the first non-finite step (`train.on_nan: stop`), or at the MAX_SKIPS_IN_A_ROW-th in a
+    row (`skip`); the trainer asks at log steps and before every save.
+    """
+
+    def __init__(self, on_nan: str, device: torch.device):
+        self.on_nan = on_nan
+        self.limit = MAX_SKIPS_IN_A_ROW if on_nan == "skip" else 1
+        # skipped so far, skipped in a row, then the step that ends the run: its number, loss sum, tokens, norm
+        self._state = torch.zeros(6, dtype=torch.float64, device=device)
+
+    def record(self, step: int, result: StepResult) -> None:
+        """Count `step` (device ops only)."""
+        if result.finite is None:
+            return
+        state = self._state
+        bad = (~result.finite).double()
+        in_a_row = (state[1] + 1) * bad
+        ends = (in_a_row >= self.limit) & (state[2] == 0)
+        found = torch.stack([result.loss_sum.double(), result.tokens.double(), result.grad_norm.double()])
+        self._state = torch.cat([torch.stack([state[0] + bad, in_a_row, torch.where(ends, float(step), state[2])]),
+                                 torch.where(ends, found, state[3:])])
+
+    def skipped(self) -> int:
+        """Steps skipped so far (one host sync)."""
+        return int(self._state[0].item())
+
+    def ended(self) -> bool:
+        """Whether `train.on_nan` ends the run (one host sync)."""
+        return bool(self._state[2].item())
+
+    def error(self, dp_group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None,
+              checkpoint: Path | None, lr: float) -> Diverged:
+        """The one line that ends the run; every rank calls it at the same step (the loss is reduced)."""
+        skipped, _, step, _, _, norm = self._state.tolist()
+        loss = global_mean_loss(StepResult(self._state[3], self._state[4], self._state[5]), dp_group, pp_group)
+        step = int(step)
+        what = (f"step {step}: the loss ({loss:.4g}) or the gradient norm ({norm:.4g}) is not finite"
+                if self.on_nan == "stop" else
+                f"steps {step - self.limit + 1}-{step}: {self.limit} steps in a row had a non-finite loss or gradient "
+                f"norm (the last: loss {loss:.4g}, gradient norm {norm:.4g}) and were skipped ({int(skipped)} in all)")
+        then = f"resume from the last good checkpoint, {checkpoint}" if checkpoint else "start again"
+        return Diverged(f"{what}; stopping with nothing saved after it (train.on_nan: {self.on_nan}): lower optim.lr "
+                        f"(now {lr:g}) and {then}")
 
 
 def clip_grad_norm(model: nn.Module | list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None = None,

@@ -44,7 +44,8 @@ from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.profile import StepProfiler
 from clustertrain.train.status import write_status
-from clustertrain.train.step import StepResult, autocast, global_mean_loss, pipeline_train_step, token_loss_sum, train_step
+from clustertrain.train.step import (NonFiniteSteps, StepResult, autocast, global_mean_loss, pipeline_train_step,
+                                     token_loss_sum, train_step)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Trainer:
                                      output_loss_sum)
         # The largest rank's peak memory once the weights are in place: what loading the model cost.
         self.load_mem_gb, = reduce_values([memory_gb(self.device)], op="max")
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, loss_scaling=cfg.parallel.param_dtype == "float16")
         self.scaler = ShardedGradScaler(self.device.type) if cfg.parallel.param_dtype == "float16" else None
         self.total_steps = total_steps(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
@@ -181,10 +182,14 @@ class Trainer:
             return self.finish()
         except Preempted:
             raise
-        except Exception as e:
+        except (Exception, KeyboardInterrupt) as e:  # never left "running": launchers would wait for it forever
             if self.info.rank == 0:
+                error = f"{type(e).__name__}: {e}"
+                if isinstance(e, KeyboardInterrupt):
+                    checkpoint = self.summary.checkpoint if hasattr(self, "summary") else None
+                    error = f"interrupted by a second Ctrl-C, without saving (last checkpoint: {checkpoint or 'none'})"
                 with contextlib.suppress(OSError):  # the error that matters is `e`
-                    write_status(self.run_dir, "failed", step=self.step, error=f"{type(e).__name__}: {e}")
+                    write_status(self.run_dir, "failed", step=self.step, error=error)
             raise
         finally:
             self.close()
@@ -200,6 +205,9 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", cfg.checkpoint, self.total_steps,
                                              self.logger.info, self.device)
         self._announce(resumed)
+        if self.stop.reason and self.rank0:
+            self.logger.info(f"{self.stop.reason} arrived while the run was starting: it saves and stops after step "
+                             f"{self.step + 1}")
         if self.rank0:  # the run's own copy, for `clustertrain data audit` and for people
             (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
@@ -210,6 +218,7 @@ class Trainer:
         if cfg.train.stop_after_steps:
             self.stop_step = min(self.total_steps, self.step + cfg.train.stop_after_steps)
         self._autocast = autocast_dtype(cfg.parallel, self.mesh)
+        self.non_finite = NonFiniteSteps(cfg.train.on_nan, self.device)
         self._timer = _Timer(self.step)
 
     def train_steps(self, n: int) -> None:
@@ -224,29 +233,32 @@ class Trainer:
                 result = pipeline_train_step(
                     self.pipeline, self.optimizer, batch, dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group,
                     grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast, scaler=self.scaler,
+                    on_nan=cfg.train.on_nan,
                 )
             else:
                 result = train_step(
                     self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
                     dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip,
-                    autocast_dtype=self._autocast, scaler=self.scaler,
+                    autocast_dtype=self._autocast, scaler=self.scaler, on_nan=cfg.train.on_nan,
                 )
             self.step += 1
             self.tokens_seen += self.tokens_per_step
+            self.non_finite.record(self.step, result)
             if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
                 self._log(result)
                 self._commit(self.checkpoints.finalize())  # an async save has had time to finish
+                self._stop_if_diverged()
             if self._eval_due():
                 self.summary.eval_loss = self._evaluate()
-            if self.checkpoints.due(self.step) or self.step == self.stop_step:
-                self.save(wait=self.step == self.stop_step)
+            if self.step == self.stop_step:
+                self._save_last()
+            elif self.checkpoints.due(self.step):
+                self.save()
             if self.profiler.step_done(self.step):
                 self._timer.reset(self.step)  # writing the trace is not training throughput
             reason = self.stop.agreed()
             if reason:
-                if self.saved_step != self.step:
-                    self.save(wait=True)
-                self._commit(self.checkpoints.finalize())
+                self._save_last()
                 self._status("preempted", reason=reason)
                 self.logger.close()
                 dist.barrier()  # no rank exits before rank 0 has written everything (srun --kill-on-bad-exit)
@@ -271,9 +283,7 @@ class Trainer:
 
     def finish(self) -> RunSummary:
         """Save the last step if needed, sample, and report the whole run's curve (across resumes)."""
-        if self.saved_step != self.step:
-            self.save(wait=True)
-        self._commit(self.checkpoints.finalize())
+        self._save_last()
         self._status("finished" if self.step >= self.total_steps else "stopped")
         summary = self.summary
         summary.steps = self.step
@@ -297,6 +307,7 @@ class Trainer:
         tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
         world = dist.get_world_size()
         mfu = None
+        skipped = self.non_finite.skipped()
         if tokens_per_s and self.peak_flops:
             mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * world)
         self.logger.log(self.step, {
@@ -308,6 +319,7 @@ class Trainer:
             "mfu": mfu,
             "mem_gb": memory_gb(self.device),
             **({"loss_scale": self.scaler.get_scale()} if self.scaler else {}),
+            **({"nan_skipped": skipped} if skipped else {}),
             "tokens": self.tokens_seen,
             **self._data_metrics(),
         })
@@ -358,8 +370,13 @@ class Trainer:
         return loss
 
     # ---- checkpoint --------------------------------------------------------------------------
-    def save(self, wait: bool = False) -> Path | None:
-        """Checkpoint the current step (every rank calls); with async saves it commits later unless `wait`."""
+    def save(self, wait: bool = False, final: bool = False) -> Path | None:
+        """Checkpoint the current step (every rank calls); with async saves it commits later unless `wait`.
+
+        Never a diverged state: the NaN check comes first. `final`: the run ends with this save, which must
+        succeed (CheckpointManager.save).
+        """
+        self._stop_if_diverged()
         state = {
             "step": self.step,
             "tokens_seen": self.tokens_seen,
@@ -378,11 +395,29 @@ class Trainer:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(folder / "tokenizer")
 
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, state, write_extras, wait=wait)
+        path = self.checkpoints.save(self.step, self.model, self.optimizer, state, write_extras, wait=wait,
+                                     final=final)
         self.saved_step = self.step
         self._commit(path)
         self._timer.reset(self.step)
         return path
+
+    def _save_last(self) -> None:
+        """The save a run ends with (its budget, `train.stop_after_steps`, a stop signal): it must succeed.
+
+        A failure raises SaveFailed, whatever `checkpoint.on_error` says: the run must not report success.
+        """
+        if self.saved_step == self.step and self.checkpoints.failed_step != self.step:
+            self._commit(self.checkpoints.finalize(final=True))  # saved already, or still writing
+        else:
+            self.save(final=True)
+
+    def _stop_if_diverged(self) -> None:
+        """Raise Diverged if `train.on_nan` ends the run here; one host read of a few numbers (all ranks call)."""
+        if self.non_finite.ended():
+            self._commit(self.checkpoints.finalize())  # a save in flight is of an earlier, finite step
+            raise self.non_finite.error(self.mesh.dp_group, self._pp_group(), self.summary.checkpoint,
+                                        self.config.optim.lr)
 
     def _commit(self, path: Path | None) -> None:
         if path is not None:

@@ -7,41 +7,16 @@ import os
 import random
 import resource
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from helpers import TINY, final_weights, losses, train
+from helpers import children, final_weights, losses, start, train, wait_for_saves, wait_for_step
 
-from clustertrain.train.status import REQUEUE_EXIT_CODE
+from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
+from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
 
 pytestmark = pytest.mark.dist
-
-
-def start(run_dir, *overrides, nproc=2, preexec_fn=None):
-    args = [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
-    return subprocess.Popen(
-        [sys.executable, "-m", "clustertrain", "train", "--nproc", str(nproc), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=preexec_fn,
-    )
-
-
-def wait_for_step(run_dir, step, proc, timeout=180):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended early: {proc.communicate()}")
-        if max(losses(run_dir), default=0) >= step if (run_dir / "metrics.jsonl").exists() else False:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
-
-
-def children(pid):
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
@@ -84,19 +59,28 @@ def small_files():
     resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
 
 
-@pytest.mark.parametrize("policy", ["warn", "stop"])
-def test_a_failed_write_keeps_the_previous_checkpoint(tmp_path, policy):
+@pytest.mark.parametrize(("policy", "stop_after", "lost"), [
+    ("warn", None, "3-8"),  # steps 4 and 6 fail with a warning, then the final save at step 8
+    ("warn", 2, "3-4"),  # the final save at train.stop_after_steps
+    ("stop", None, None),  # the first failure ends the run
+])
+def test_a_failed_write_keeps_the_previous_checkpoint_and_a_lost_final_save_fails_the_run(tmp_path, policy,
+                                                                                           stop_after, lost):
     train(tmp_path, "train.steps=8", "checkpoint.every=2", "train.stop_after_steps=2")
-    proc = start(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.on_error={policy}", nproc=1,
-                 preexec_fn=small_files)
+    proc = start(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.on_error={policy}",
+                 *([f"train.stop_after_steps={stop_after}"] if stop_after else []), nproc=1, preexec_fn=small_files)
     stdout, stderr = proc.communicate(timeout=180)
-    message = "checkpoint of step 4 failed"
-    assert message in stdout + stderr
+    assert "checkpoint of step 4 failed" in stdout + stderr
     assert "step-0000002 is intact" in stdout + stderr
-    if policy == "stop":
-        assert proc.returncode == 2 and "Traceback" not in stderr
-    else:
-        assert proc.returncode == 0, stderr[-2000:]
+    assert proc.returncode == SAVE_FAILED_EXIT_CODE, stderr[-2000:]
+    assert "Traceback" not in stderr
+    status = read_status(tmp_path)
+    assert status["state"] == "failed"
+    if lost:  # a lost final save is a failure, whatever checkpoint.on_error says
+        assert f"it was this run's last save, so steps {lost} are lost" in stderr
+        assert f"steps {lost} are lost" in status["error"]
+    if policy == "warn" and not stop_after:
+        assert "checkpoint of step 6 failed" in stdout and "training goes on" in stdout
     assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == ["step-0000002"]
     train(tmp_path, "train.steps=8", "checkpoint.every=2")  # the kept checkpoint resumes
     assert (tmp_path / "checkpoints" / "step-0000008").is_dir()
@@ -139,18 +123,6 @@ def wait_for_new_steps(run_dir, proc, count, timeout=120):
     baseline, deadline = lines(), time.monotonic() + timeout
     while lines() < baseline + count and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def wait_for_saves(run_dir, proc, count, timeout=120):
-    """Poll until the `count`-th checkpoint write of this launch starts; True if it was caught mid-save."""
-    deadline, seen = time.monotonic() + timeout, set()
-    while time.monotonic() < deadline and proc.poll() is None:
-        for tmp in (run_dir / "checkpoints").glob(".tmp-step-*") if (run_dir / "checkpoints").exists() else ():
-            seen.add(tmp.name)
-            if len(seen) >= count:
-                return True
-        time.sleep(0.002)
-    return False
 
 
 def test_resume_onto_other_rank_counts_and_strategies(tmp_path):

@@ -160,7 +160,7 @@ def test_missing_or_incomplete_checkpoint_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ("num_hidden_layers: 2", "lacks model.layers.2"), ("intermediate_size: 128", "is (128, 64) in the checkpoint"),
+    ("num_hidden_layers: 2", "has no model.layers.2"), ("intermediate_size: 128", "is (128, 64) in the checkpoint"),
 ])
 def test_checkpoint_that_does_not_fit_its_config_is_a_one_line_error(checkpoint, tmp_path, change, message):
     copy = tmp_path / "step-0000003"

@@ -1,13 +1,17 @@
-"""CheckpointManager's choices that need no real save."""
+"""CheckpointManager's choices that need no real save, and StopRequests' handling of signals."""
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from clustertrain.checkpoint.manager import CheckpointManager
+from clustertrain.checkpoint.manager import CheckpointManager, StopRequests
 from clustertrain.config.schema import CheckpointConfig
+from clustertrain.dist.spawn import listen_early
 
 
 @pytest.fixture
@@ -28,3 +32,26 @@ def test_async_saves_by_default_on_gpus_through_pinned_memory(one_rank, tmp_path
     manager = CheckpointManager(tmp_path, config, 10, print, torch.device(device))
     assert manager.async_save is is_async
     assert (manager._writer is not None and manager._writer.cache_staged_state_dict) is pinned
+
+
+def test_ctrl_c_asks_for_a_save_and_a_second_one_exits_at_once():
+    stop = StopRequests(None, 0)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.agreed() == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        stop.close()
+
+
+def test_a_signal_before_the_trainer_listens_is_kept_for_step_1_and_a_second_ctrl_c_after_it_exits():
+    with listen_early() as early:
+        os.kill(os.getpid(), signal.SIGTERM)  # while torch imports
+        stop = StopRequests(None, 0)
+        assert stop.agreed() == "SIGTERM"
+        stop.close()
+        with pytest.raises(KeyboardInterrupt):  # the run is already stopping: Ctrl-C means now
+            os.kill(os.getpid(), signal.SIGINT)
+    assert early.received == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

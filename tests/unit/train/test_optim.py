@@ -38,6 +38,9 @@ def test_adamw_kernel_is_fused_where_torch_has_one():
     cpu = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))]
     assert adamw_kernel(cpu, "auto") == {"fused": True}  # CPU's fused AdamW, torch >= 2.4
     assert adamw_kernel(cpu, "foreach") == {"foreach": True}
+    assert adamw_kernel(cpu, "auto", loss_scaling=True) == {"foreach": True}  # float16's sharded scaler
+    with pytest.raises(ConfigError, match="does not work with parallel.param_dtype = float16"):
+        adamw_kernel(cpu, "fused", loss_scaling=True)
     meta = [torch.nn.Parameter(torch.ones(2, device="meta"))]
     assert adamw_kernel(meta, "auto") == {"foreach": True}
     with pytest.raises(ConfigError, match=r"optim.implementation = 'fused': .* on \['meta'\]; use auto or foreach"):

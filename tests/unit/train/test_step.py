@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from clustertrain.train.step import token_loss_sum
+from clustertrain.train.step import MAX_SKIPS_IN_A_ROW, NonFiniteSteps, StepResult, token_loss_sum, update
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +47,60 @@ def test_loss_sum_ignores_masked_labels(model):
     labels[:, :4] = -100
     half = token_loss_sum(model, ids, labels)
     assert 0 < half < full
+
+
+@pytest.mark.parametrize("kernel, on_nan, applied", [
+    ("fused", "stop", False),  # skipped on the device, no host sync
+    ("fused", "skip", False),
+    ("foreach", "skip", False),  # one host read of the flag
+    ("foreach", "stop", True),  # applied: the run stops at its next check, before any save
+])
+def test_a_non_finite_step_is_not_applied(kernel, on_nan, applied):
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, **{kernel: True})
+    weight.grad = torch.ones(3)
+    assert update(optimizer, torch.tensor(1.0), None, on_nan)
+    before = {k: v.clone() for k, v in optimizer.state[weight].items()}, weight.detach().clone()
+    weight.grad = torch.full((3,), float("nan"))
+    assert not update(optimizer, torch.tensor(float("nan")), None, on_nan)
+    state = optimizer.state[weight]
+    assert torch.isnan(weight).all().item() is applied
+    if not applied:
+        assert torch.equal(weight, before[1]) and all(torch.equal(state[k], v) for k, v in before[0].items())
+        weight.grad = torch.ones(3)  # and the next finite step goes on as if the bad one never came
+        update(optimizer, torch.tensor(1.0), None, on_nan)
+        assert state["step"].item() == 2
+
+
+def result(finite: bool, loss: float = 1.0) -> StepResult:
+    return StepResult(torch.tensor(loss), torch.tensor(4), torch.tensor(1.0 if finite else float("nan")),
+                      torch.tensor(finite))
+
+
+def test_non_finite_steps_end_a_stop_run_at_the_first():
+    steps = NonFiniteSteps("stop", torch.device("cpu"))
+    steps.record(1, result(True))
+    assert not steps.ended()
+    steps.record(2, result(False, float("nan")))
+    steps.record(3, result(False, 5.0))
+    assert steps.ended() and steps.skipped() == 2
+    message = str(steps.error(None, None, None, 3e-3))
+    assert message.startswith("step 2: the loss (nan) or the gradient norm (nan) is not finite")
+    assert "lower optim.lr (now 0.003) and start again" in message
+
+
+def test_non_finite_steps_end_a_skip_run_after_ten_in_a_row():
+    steps = NonFiniteSteps("skip", torch.device("cpu"))
+    for step in range(1, 2 * MAX_SKIPS_IN_A_ROW):  # a finite step breaks the row
+        steps.record(step, result(step == MAX_SKIPS_IN_A_ROW))
+    assert not steps.ended() and steps.skipped() == 2 * MAX_SKIPS_IN_A_ROW - 2
+    steps.record(2 * MAX_SKIPS_IN_A_ROW, result(False))
+    assert steps.ended()
+    assert str(steps.error(None, None, "ckpt/step-0000009", 1.0)).startswith(
+        f"steps {MAX_SKIPS_IN_A_ROW + 1}-{2 * MAX_SKIPS_IN_A_ROW}: {MAX_SKIPS_IN_A_ROW} steps in a row")
+
+
+def test_float16_overflows_are_the_scalers_business():
+    steps = NonFiniteSteps("stop", torch.device("cpu"))
+    steps.record(1, StepResult(torch.tensor(1.0), torch.tensor(4), torch.tensor(float("inf")), None))
+    assert not steps.ended() and steps.skipped() == 0

@@ -1,0 +1,100 @@
+"""Faults under real processes: a run that goes NaN, Ctrl-C, signals during start-up, a launcher killed hard.
+
+A lost final save is tested with the other failed writes in test_checkpoint.py (RLIMIT_FSIZE).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import alive, children, final_weights, start, train, wait_for_saves, wait_for_step
+
+from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
+from clustertrain.train.step import DIVERGED_EXIT_CODE
+
+pytestmark = pytest.mark.dist
+
+# After one AdamW update at this rate every weight is about ±1e18 and the next forward overflows: the
+# first step is finite, every later one is NaN.
+DIVERGING_LR = "optim.lr=1e18"
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+
+
+def test_nan_stops_the_run_before_it_is_saved_and_the_last_good_checkpoint_stays(tmp_path):
+    common = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1",
+              "metrics.log_every=100"]  # no log step between: the check before the save at step 6 is what stops it
+    train(tmp_path, *common, "train.stop_after_steps=4")
+    result = train(tmp_path, *common, DIVERGING_LR, expect=DIVERGED_EXIT_CODE)
+    assert "Traceback" not in result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: step 6: the loss (nan) or the gradient norm (nan) is not finite"), error
+    assert "lower optim.lr (now 1e+18)" in error and "step-0000004" in error
+    assert checkpoints(tmp_path) == ["step-0000004"]  # with keep_last=1, a save of step 6 would have deleted it
+    status = read_status(tmp_path)
+    assert status["state"] == "failed" and status["step"] == 6 and "Diverged" in status["error"]
+
+
+def test_nan_skip_skips_the_update_on_every_rank_and_gives_up_after_ten_in_a_row(tmp_path):
+    result = train(tmp_path, "train.steps=14", "checkpoint.every=2", "train.on_nan=skip", DIVERGING_LR,
+                   "parallel.strategy=zero3", nproc=2, expect=DIVERGED_EXIT_CODE)
+    assert "steps 2-11: 10 steps in a row had a non-finite loss or gradient norm" in result.stderr
+    skipped = {r["step"]: r["nan_skipped"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "nan_skipped" in r}
+    assert skipped[2] == 1 and skipped[11] == 10
+    assert checkpoints(tmp_path) == ["step-0000006", "step-0000008", "step-0000010"]
+    before, after = final_weights(tmp_path, 6), final_weights(tmp_path, 10)
+    for name in before:  # both ranks' shards: no update between, on any rank
+        assert torch.equal(before[name], after[name]), name
+
+
+@pytest.mark.parametrize("nproc, signum", [(None, signal.SIGTERM), (2, signal.SIGINT)],
+                         ids=["one-rank-SIGTERM", "launcher-Ctrl-C"])
+def test_a_signal_during_start_up_is_honoured_at_step_1(tmp_path, nproc, signum):
+    """Ctrl-C saves and stops like SIGTERM, and neither is lost (or fatal) while torch loads or ranks start."""
+    proc = start(tmp_path, "train.steps=500", "checkpoint.every=0", nproc=nproc)
+    time.sleep(1)  # importing torch, or (launcher) starting the ranks
+    os.killpg(proc.pid, signum)  # as a terminal does: the launcher's process group (each rank has its own)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-2000:]
+    name = signal.Signals(signum).name
+    assert f"{name} arrived while the run was starting: it saves and stops after step 1" in stdout
+    assert f"stopped by {name} at step 1" in stderr
+    assert checkpoints(tmp_path) == ["step-0000001"]
+    status = read_status(tmp_path)
+    assert status["state"] == "preempted" and status["reason"] == name
+
+
+def test_a_second_ctrl_c_exits_at_once_and_the_status_says_so(tmp_path):
+    proc = start(tmp_path, "train.steps=500", "checkpoint.every=0", nproc=None)
+    wait_for_step(tmp_path, 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    assert wait_for_saves(tmp_path, proc, count=1), "no save after the first Ctrl-C"
+    os.killpg(proc.pid, signal.SIGINT)  # while it saves
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr[-2000:]
+    status = read_status(tmp_path)
+    assert status["state"] == "failed" and "second Ctrl-C" in status["error"], status
+
+
+def test_ranks_die_with_a_launcher_killed_hard(tmp_path):
+    proc = start(tmp_path, "train.steps=500", "checkpoint.every=0")
+    wait_for_step(tmp_path, 2, proc)
+    ranks = children(proc.pid)
+    assert len(ranks) == 2
+    assert all(os.getpgid(pid) == pid for pid in ranks), "each rank leads a process group of its own"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(pid) for pid in ranks), "orphaned ranks train on"
+    assert checkpoints(tmp_path) == []
+
