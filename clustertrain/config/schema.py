@@ -356,6 +356,9 @@ class SlurmConfig(Section):
                        *self.modules, *self.env.values(), *map(str, self.sbatch.values())]
         if any(v is not None and ("\n" in v or "\r" in v) for v in single_line):
             raise ValueError("values must be one line each: a newline would end the #SBATCH line")
+        for option in self.sbatch:
+            if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", option):
+                raise ValueError(f"sbatch: {option!r} is not an sbatch option name (letters, digits and -)")
         for name in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
                 raise ValueError(f"env: {name!r} is not a valid environment variable name")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clustertrain.config.schema import RunConfig, SlurmConfig
+from clustertrain.errors import ConfigError
 from clustertrain.launch.presets import Preset, load_preset
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -95,6 +96,10 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
     run_dir = (workdir / config.run_dir).resolve()
     python = slurm.python or sys.executable
     q = shlex.quote
+    _check_one_line({"name": config.name, "train.run_dir": str(run_dir), "the working directory": str(workdir),
+                     "the config path": source, "slurm.python": python})
+    for argument in train_args:
+        _check_one_line({"an argument of clustertrain train": argument})
 
     lines = [
         "#!/bin/bash",
@@ -166,6 +171,15 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
         'end_job "$rc"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _check_one_line(values: dict[str, str]) -> None:
+    """Refuse a value with a line break: quoting keeps a value literal, but a newline still ends a `#SBATCH`
+    line (and with it the option block: later options such as --signal and --requeue would be dropped)."""
+    for key, value in values.items():
+        if "\n" in value or "\r" in value:
+            raise ConfigError(f"{key} = {value!r} holds a line break, which would end a line of the job script; "
+                              "use one line")
 
 
 def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Path) -> list[str]:

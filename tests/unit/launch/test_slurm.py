@@ -88,11 +88,25 @@ def test_shell_value_expands_only_braced_references():
     ("slurm.launcher=mpirun", "slurm.launcher"),
     ("slurm.requeue=always", "slurm.requeue"),
     ('slurm.job_name="a\\nb"', "one line"),
+    ('slurm.sbatch={"x\\n#SBATCH --wrap": 1}', "not an sbatch option name"),
+    ("slurm.sbatch={'mail type': END}", "not an sbatch option name"),
 ])
 def test_bad_slurm_settings_are_named(override, message):
     with pytest.raises(ConfigError, match=message):
         config = load_config(None, [override])
         job_spec(config.slurm)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ('train.run_dir="/scratch/runs/x\\nscancel -u me"', "train.run_dir"),
+    ('name="llama\\n#SBATCH --requeue"', "name"),
+])
+def test_a_line_break_never_reaches_the_job_script(override, key):
+    with pytest.raises(ConfigError, match=f"^{key} = .* holds a line break"):
+        render(override)
+    argument = "--set=optim.lr=1e-3\n#SBATCH --time=99:00:00"
+    with pytest.raises(ConfigError, match="^an argument of clustertrain train = .* holds a line break"):
+        render_script(load_config(None, FIXED), [argument], Path("/work/project"), "configs/llama.yaml")
 
 
 def test_a_users_preset_file(tmp_path):
