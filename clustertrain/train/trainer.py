@@ -105,7 +105,7 @@ class Trainer:
         self.mixture: Counter = Counter()
 
         self.hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
-        attn = resolve_attention(cfg.model.attn_implementation, self.hf_config, self.device.type,
+        self.attention = attn = resolve_attention(cfg.model.attn_implementation, self.hf_config, self.device.type,
                                  dtype=DTYPES[cfg.parallel.param_dtype], pipeline=cfg.parallel.pp > 1,
                                  packed_documents=cfg.data.doc_masking or cfg.data.mode == "sft")
         meta = build_meta_model(self.hf_config, cfg.lora, DTYPES[cfg.parallel.param_dtype], attn)
@@ -503,7 +503,8 @@ class Trainer:
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "
             f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}); "
             f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens; "
-            f"AdamW {'fused' if self.optimizer.param_groups[0].get('fused') else 'foreach'}"
+            f"AdamW {'fused' if self.optimizer.param_groups[0].get('fused') else 'foreach'}, "
+            f"{self.attention} attention, {self.loss_kind} loss"
         )
         for note in self.kernel_notes:
             self.logger.info(note)
