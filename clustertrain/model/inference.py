@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,8 @@ def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from clustertrain.model.weights import refusal
+
     adapter = not (path / "config.json").is_file()
     try:
         if adapter:
@@ -71,6 +74,8 @@ def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
             model = AutoPeftModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    except pickle.UnpicklingError as e:  # transformers loads .bin weights with weights_only=True
+        raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
     tokenizer_dir = path

@@ -120,6 +120,8 @@ def test_a_payload_in_a_snapshots_pytorch_model_bin_never_runs(trained, tmp_path
     result = run_cli("train", *[f"--set={o}" for o in overrides])
     assert_refused(result, f"{snapshot / 'pytorch_model.bin'} holds code or non-tensor objects "
                            "(it refers to io.open) and was not loaded")
+    result = run_cli("generate", str(snapshot), "--prompt", "def ")  # through transformers' own loader
+    assert_refused(result, f"{snapshot} holds code or non-tensor objects (it refers to io.open) and was not loaded")
     assert not marker.exists()
 
 
