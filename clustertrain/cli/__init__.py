@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except UserError as e:
-        if is_rank0() or getattr(args, "log_all_ranks", False):
+        shown = getattr(e, "shown", False)  # by the rank that had it (clustertrain/dist/failures.py)
+        if (is_rank0() or getattr(args, "log_all_ranks", False)) and not shown:
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from clustertrain.data.plan import DataPlan
+from clustertrain.data.plan import DataPlan, spec_changes
 from clustertrain.dist.collectives import all_gather_objects
-from clustertrain.errors import ConfigError, DataError
+from clustertrain.errors import ConfigError, DataError, UserError
 
 
 class _RankStreams(IterableDataset):
@@ -29,14 +29,17 @@ class _RankStreams(IterableDataset):
     def __init__(self, plan: DataPlan, stream_ids: list[int], states: dict[int, Any], split: str):
         self.plan, self.stream_ids, self.states, self.split = plan, stream_ids, states, split
 
-    def __iter__(self) -> Iterator[tuple]:
+    def __iter__(self) -> Iterator[tuple | UserError]:
         worker = get_worker_info()
         mine = self.stream_ids if worker is None else self.stream_ids[worker.id :: worker.num_workers]
-        streams = {s: self.plan.stream(s, self.split, self.states.get(s)) for s in mine}
-        while True:
-            for s in mine:
-                seq = streams[s].next()
-                yield s, seq, streams[s].state_dict(), streams[s].take_skipped()
+        try:
+            streams = {s: self.plan.stream(s, self.split, self.states.get(s)) for s in mine}
+            while True:
+                for s in mine:
+                    seq = streams[s].next()
+                    yield s, seq, streams[s].state_dict(), streams[s].take_skipped()
+        except UserError as e:  # handed over as an item: torch would re-raise it wrapped in the worker's traceback
+            yield e
 
 
 class StreamLoader:
@@ -78,6 +81,7 @@ class StreamLoader:
             "batches": self.batches,
             "num_streams": self.num_streams,
             "fingerprint": self.plan.fingerprint(),
+            "data_spec": self.plan.spec(),  # what changed, should a resume be refused
             "streams": [streams.get(s) for s in range(self.num_streams)],
         }
 
@@ -89,9 +93,12 @@ class StreamLoader:
                 f"train.global_batch_size), this run has {self.num_streams}: keep train.global_batch_size to resume"
             )
         if state.get("fingerprint") != self.plan.fingerprint():
+            changes = spec_changes(state["data_spec"], self.plan.spec()) if "data_spec" in state else []
             raise DataError(
-                "the checkpoint's data position was taken over other data: data.sources, data.seq_len, data.seed, "
-                "data.mode, data.mix_by or data.shuffle_buffer changed; restore them to resume"
+                "the checkpoint's data position was taken over other data: "
+                + (f"{'; '.join(changes)}; restore {'it' if len(changes) == 1 else 'them'} to resume" if changes else
+                   "data.sources, data.seq_len, data.seed, data.mode, data.mix_by or data.shuffle_buffer changed; "
+                   "restore them to resume")
             )
         self.batches = state["batches"]
         self.states = {s: state["streams"][s] for s in self.stream_ids}
@@ -105,7 +112,10 @@ class StreamLoader:
             self._iterator = self._start()
             self._queues = {s: deque() for s in self.stream_ids}
         while any(not q for q in self._queues.values()):
-            s, seq, state, skipped = next(self._iterator)
+            item = next(self._iterator)
+            if isinstance(item, UserError):
+                raise item
+            s, seq, state, skipped = item
             self._queues[s].append((seq, state, skipped))
         rows, origins, tokens = [], [], Counter()
         for s in self.stream_ids:

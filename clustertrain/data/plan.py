@@ -69,6 +69,25 @@ class RandomStream:
         self.count = state["count"]
 
 
+def spec_changes(saved: Any, current: Any, key: str = "") -> list[str]:
+    """"KEY: OLD -> NEW" for each value of a data spec (DataPlan.spec) that differs; equal-length lists item by item."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return [change for k in dict.fromkeys([*saved, *current])
+                for change in spec_changes(saved.get(k, _UNSET), current.get(k, _UNSET), f"{key}.{k}" if key else k)]
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        return [change for i, (old, new) in enumerate(zip(saved, current))
+                for change in spec_changes(old, new, f"{key}[{i}]")]
+    return [] if saved == current else [f"{key}: {_shown(saved)} -> {_shown(current)}"]
+
+
+_UNSET = object()
+
+
+def _shown(value: Any) -> str:
+    text = "unset" if value is _UNSET else json.dumps(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 class DataPlan:
     """Sources opened once per process; `stream(s, split)` builds stream s of `num_streams` from them."""
 
@@ -91,12 +110,18 @@ class DataPlan:
             held_out = max(1, held_out)
         return {"train": (0, n - held_out), "eval": (n - held_out, n)}
 
-    def fingerprint(self) -> str:
-        """What the data position depends on: resuming over other data is refused."""
+    def spec(self) -> dict[str, Any]:
+        """What the data position depends on, by the keys a user sets (as JSON): resuming over other data is refused."""
         d = self.data
-        spec = [[s.model_dump() for s in d.sources], d.mode, d.mix_by, d.seq_len, d.shuffle_buffer, self.seed,
-                [len(s) for s in self.sources]]
-        return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        spec = {"data.sources": [s.model_dump() for s in d.sources], "data.mode": d.mode, "data.mix_by": d.mix_by,
+                "data.seq_len": d.seq_len, "data.shuffle_buffer": d.shuffle_buffer,
+                "data.seed (train.seed if unset)": self.seed,
+                "documents in data.sources": [len(s) for s in self.sources]}
+        return json.loads(json.dumps(spec, default=str))
+
+    def fingerprint(self) -> str:
+        """A hash of spec(): its values, hashed as by checkpoints that hold no spec."""
+        return hashlib.sha256(json.dumps(list(self.spec().values()), sort_keys=True).encode()).hexdigest()[:16]
 
     def has_eval(self) -> bool:
         return self.data.mode == "random" or all(hi > lo for lo, hi in (r["eval"] for r in self.ranges))

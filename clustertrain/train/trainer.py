@@ -29,6 +29,7 @@ from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root, load_tokenizer
 from clustertrain.dist.collectives import all_reduce, broadcast, reduce_values
 from clustertrain.dist.env import RankInfo, detect_launcher
+from clustertrain.dist.failures import PeerFailed, RankFailure, first_failure
 from clustertrain.dist.init import close_distributed, init_distributed, rank0_first
 from clustertrain.dist.mesh import build_mesh
 from clustertrain.errors import CheckpointError, ConfigError
@@ -39,6 +40,7 @@ from clustertrain.model.load import block_classes, build_hf_config, build_meta_m
 from clustertrain.model.weights import materialize
 from clustertrain.parallel.apply import DTYPES, autocast_dtype, data_parallel_wrapper, parallelize, unwrap
 from clustertrain.parallel.pp import Pipeline, pipeline_microbatches
+from clustertrain.train.lock import RunLock, lock_run_dir
 from clustertrain.train.loss import apply_loss_head, output_loss_sum, resolve_loss
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
@@ -75,6 +77,8 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.stop: StopRequests | None = None  # run() listens from the start; start() at the latest
+        self.lock: RunLock | None = None  # rank 0's hold on the run directory, from build() to close()
+        self.started = False  # start() began: from here on a failure is recorded in status.json
 
     # ---- build -------------------------------------------------------------------------------
     def build(self) -> None:
@@ -82,6 +86,7 @@ class Trainer:
         cfg = self.config
         self.device = init_distributed(cfg.parallel, self.info)
         self.rank0 = dist.get_rank() == 0
+        self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
         torch.manual_seed(cfg.train.seed + dist.get_rank())
         self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
         self.profiler = StepProfiler(cfg.metrics.profile, total_steps(cfg), self.run_dir / "profile", self.device,
@@ -183,20 +188,29 @@ class Trainer:
         except Preempted:
             raise
         except (Exception, KeyboardInterrupt) as e:  # never left "running": launchers would wait for it forever
-            if self.info.rank == 0:
-                error = f"{type(e).__name__}: {e}"
-                if isinstance(e, KeyboardInterrupt):
+            first = None if isinstance(e, KeyboardInterrupt) else first_failure(e)  # of any rank
+            if self._records_failure(first):
+                error = f"{type(e).__name__}: {e}" if first is None or first.rank == 0 else str(first)
+                if first is None:
                     checkpoint = self.summary.checkpoint if hasattr(self, "summary") else None
                     error = f"interrupted by a second Ctrl-C, without saving (last checkpoint: {checkpoint or 'none'})"
                 with contextlib.suppress(OSError):  # the error that matters is `e`
                     write_status(self.run_dir, "failed", step=self.step, error=error)
+            if first is not None and first.rank != self.info.rank:  # rank 0 stops because another rank failed first
+                raise PeerFailed(first) from None
             raise
         finally:
             self.close()
 
+    def _records_failure(self, first: RankFailure | None) -> bool:
+        """Whether the failure goes into status.json: only by the lock's holder (rank 0), and never for a start
+        that was refused (a user error of any rank before start()), which leaves the run directory as it was."""
+        return self.lock is not None and (self.started or first is None or not first.user)
+
     def start(self, resumed: Path | None) -> None:
         """Open the metrics sinks and say what this run is about to do."""
         cfg = self.config
+        self.started = True
         self.stop = self.stop or StopRequests(cfg.walltime_s, cfg.train.walltime_margin)
         self.logger = MetricsLogger(
             self.run_dir, total_steps=self.total_steps, start_step=self.step, enabled=self.rank0,
@@ -484,6 +498,9 @@ class Trainer:
         self.__dict__.pop("optimizer", None)
         gc.collect()
         close_distributed()
+        if self.lock:  # last: the files above are closed; a refused start leaves no directory it made
+            self.lock.release()
+            self.lock = None
 
     def _announce(self, resumed: Path | None) -> None:
         if not self.rank0:

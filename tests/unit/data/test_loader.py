@@ -9,7 +9,7 @@ import torch
 from clustertrain.config.schema import DataConfig
 from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX
-from clustertrain.data.plan import DataPlan
+from clustertrain.data.plan import DataPlan, spec_changes
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.errors import ConfigError, DataError
 
@@ -167,10 +167,23 @@ def test_token_files_are_windows_of_seq_len_plus_one(corpus, tmp_path):
     assert torch.equal(first, torch.from_numpy(ids[:16].astype(np.int64)))
 
 
+def test_a_changed_data_spec_names_each_change_with_both_values():
+    saved = {"data.sources": [{"path": "a", "weight": 1.0}], "data.seq_len": 16, "documents in data.sources": [10]}
+    moved = {**saved, "data.sources": [{"path": "b", "weight": 1.0}], "documents in data.sources": [12]}
+    assert spec_changes(saved, moved) == ['data.sources[0].path: "a" -> "b"', "documents in data.sources[0]: 10 -> 12"]
+    added = {**saved, "data.sources": [*saved["data.sources"], {"path": "c", "weight": 1.0}]}
+    assert spec_changes(saved, added) == ['data.sources: [{"path": "a", "weight": 1.0}] -> '
+                                          '[{"path": "a", "weight": 1.0}, {"path": "c", "weight": 1.0}]']
+    assert spec_changes(saved, saved) == []
+
+
 def test_mismatched_position_and_indivisible_batch_are_user_errors(corpus):
     plan = make_plan(corpus)
     _, state = run(plan, 1, 2)
-    with pytest.raises(DataError, match="data.sources, data.seq_len"):
+    with pytest.raises(DataError, match=r"other data: data.seq_len: 16 -> 32; restore it to resume$"):
         StreamLoader(make_plan(corpus, seq_len=32), 0, 1).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "data_spec"}  # a checkpoint from before data_spec
+    with pytest.raises(DataError, match="data.sources, data.seq_len"):
+        StreamLoader(make_plan(corpus, seq_len=32), 0, 1).load_state_dict(older)
     with pytest.raises(ConfigError, match="not divisible by the 5 data-parallel ranks"):
         StreamLoader(plan, 0, 5)
