@@ -29,7 +29,12 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig, base_dtype: torch.dtype
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
         task_type="CAUSAL_LM",
     )
-    wrapped = peft.get_peft_model(model, config)
+    try:
+        wrapped = peft.get_peft_model(model, config)
+    except ValueError as e:  # a target module the model does not have (model.path models: seen only here)
+        from clustertrain.errors import ConfigError
+
+        raise ConfigError(f"lora.target_modules = {lora.target_modules}: {' '.join(str(e).split())}") from None
     for param in wrapped.parameters():
         if not param.requires_grad:
             param.data = param.data.to(base_dtype)

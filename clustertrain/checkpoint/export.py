@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
@@ -27,7 +28,7 @@ from clustertrain.checkpoint.dcp import latest_checkpoint, with_hint
 from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, check_fits, first_line, load_state,
                                             open_checkpoint)
 from clustertrain.config.load import dump_config, load_config, validate
-from clustertrain.config.schema import RunConfig
+from clustertrain.config.schema import DataConfig, RunConfig
 from clustertrain.errors import CheckpointError
 from clustertrain.model.load import build_hf_config, build_meta_model
 from clustertrain.model.weights import init_weights, refusal
@@ -144,7 +145,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     except pickle.UnpicklingError as e:  # transformers reads .bin files weights-only
         files = ", ".join(str(f) for f in sorted(hf_dir.glob("*.bin"))) or str(hf_dir)
         raise CheckpointError(f"{files} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise CheckpointError(f"{hf_dir}: cannot load a causal LM: {first_line(e)}") from None
     tokenizer = None
     if any((hf_dir / name).is_file() for name in _TOKENIZER_FILES):
@@ -186,9 +187,12 @@ def run_config_for(hf_config: PretrainedConfig, hf_dir: Path, has_tokenizer: boo
         if key in known and not key.startswith("_") and key not in _FILE_FIELDS
         and (key in _PINNED_FIELDS or defaults.get(key) != value)
     }
-    raw: dict[str, Any] = {"name": hf_dir.resolve().name, "model": {"arch": arch, "config": fields}}
+    raw: dict[str, Any] = {"name": hf_dir.resolve().name, "model": {"arch": arch, "config": fields}, "data": {}}
     if has_tokenizer:
-        raw["data"] = {"tokenizer": str(hf_dir.resolve())}
+        raw["data"]["tokenizer"] = str(hf_dir.resolve())
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions < DataConfig.model_fields["seq_len"].default:
+        raw["data"]["seq_len"] = positions  # the default would be longer than the model takes
     return validate(raw)
 
 
@@ -208,6 +212,16 @@ def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _follow_umask(tmp)
     if out_dir.is_dir():
         out_dir.rmdir()  # empty, checked before
     os.replace(tmp, out_dir)
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give `folder` and everything in it the modes the user's umask asks for: writers that go through a
+    private temporary file (safetensors) leave 0600, which the group cannot read on a shared cluster."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)

@@ -40,7 +40,7 @@ def run_export(args: argparse.Namespace) -> int:
     from clustertrain.checkpoint.export import export_hf
 
     logging.disable_progress_bar()
-    out = export_hf(args.checkpoint, args.outdir, max_shard_size=args.max_shard_size, merge=args.merge)
+    out = export_hf(args.checkpoint, args.outdir, max_shard_size=shard_size(args.max_shard_size), merge=args.merge)
     files = len(list(out.glob("*.safetensors")))
     tokenizer = "tokenizer" if (out / "tokenizer_config.json").exists() else "no tokenizer"
     if (out / "adapter_config.json").exists():
@@ -50,6 +50,21 @@ def run_export(args: argparse.Namespace) -> int:
         print(f"wrote {out} ({files} safetensors file{'s' * (files != 1)}, {tokenizer}); "
               f'load it with AutoModelForCausalLM.from_pretrained("{out}")')
     return 0
+
+
+def shard_size(value: str) -> int:
+    """--max-shard-size in bytes (500MB, 2GB, 1GiB or a plain byte count); anything else is a one-line error."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from clustertrain.errors import UserError
+
+    try:
+        size = int(value) if value.strip().isdigit() else convert_file_size_to_int(value.strip())
+    except (ValueError, TypeError):
+        size = None
+    if not isinstance(size, int) or size <= 0:
+        raise UserError(f"--max-shard-size {value!r}: not a size; give bytes or a whole number with a unit, e.g. 500MB, 2GB")
+    return size
 
 
 def run_import(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from clustertrain.config.schema import ModelConfig, RunConfig
+from clustertrain.config.secrets import find_secrets
 from clustertrain.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -52,10 +54,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a config file by its extension into a plain dict."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    text = read_utf8(path, "config file")
     try:
         if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text) or {}
+            data = load_yaml(text, str(path)) or {}
         elif path.suffix == ".toml":
             data = tomllib.loads(text)
         else:
@@ -73,10 +75,49 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {item!r} must look like section.key=value, e.g. optim.lr=3e-4")
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = load_yaml(value, f"override {key.strip()}") if value.strip() else None
     except yaml.YAMLError:
         parsed = value
     return key.strip(), parsed
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """A config-like file's text; a file that is not UTF-8 is a one-line ConfigError naming the first bad byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{what} {path} is not UTF-8 text: byte 0x{data[e.start]:02x} at line {line} "
+                          f"(offset {e.start}); save it as UTF-8") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)) or key == "<<":
+                continue  # merge keys and unhashable keys: PyYAML's own rules
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise DuplicateKey(f"duplicate key {key!r} at line {line} (first at line {seen[key]})")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKey(ValueError):
+    """A YAML mapping names one key twice."""
+
+
+def load_yaml(text: str, where: str) -> Any:
+    """yaml.safe_load, refusing duplicate keys with a ConfigError that names `where`, the key and both lines."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except DuplicateKey as e:
+        raise ConfigError(f"{where}: {e}") from None
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -96,11 +137,28 @@ def validate(raw: dict[str, Any]) -> RunConfig:
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError("\n".join(_describe(err) for err in e.errors())) from None
-    problems = _check_model_fields(config)
+        raise ConfigError("\n".join(_describe(err) for err in _merge_union_errors(e.errors()))) from None
+    problems = _check_model_fields(config) + find_secrets(config.model_dump(mode="json"))
     if problems:
         raise ConfigError("\n".join(problems))
     return config
+
+
+_UNION_MEMBER = re.compile(r"function-after.*|.*\[.*|int|float|str|bool|list|tuple|dict")
+
+
+def _merge_union_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One error per key: pydantic reports a value that fits no member of a union (`list[str] | 'all-linear'`) once
+    per member, under locations such as `lora.target_modules.list[str]`; join those into one message."""
+    merged: dict[tuple[str, ...], dict[str, Any]] = {}
+    for err in errors:
+        loc = tuple(str(p) for p in err["loc"] if not _UNION_MEMBER.fullmatch(str(p)))
+        if loc in merged and err["type"] != "extra_forbidden":
+            first = merged[loc]
+            first["msg"] += " or " + err["msg"].removeprefix("Input should be ")
+        else:
+            merged.setdefault(loc, {**err, "loc": loc})
+    return list(merged.values())
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -131,7 +189,19 @@ def _suggest(loc: list[str]) -> str | None:
 
 
 def _check_model_fields(config: RunConfig) -> list[str]:
-    """model.config keys must be fields of the HF config class of model.arch."""
+    """model.config keys must be fields of the HF config class of model.arch (or of a local model.path snapshot),
+    and the model they describe must be buildable: the HF config class's checks and our own shape checks."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its warnings about a config are ours to say, in one line, or not at all
+    try:
+        return _check_model(config)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _check_model(config: RunConfig) -> list[str]:
     from transformers import AutoConfig
 
     try:
@@ -142,18 +212,149 @@ def _check_model_fields(config: RunConfig) -> list[str]:
         hint = difflib.get_close_matches(config.model.arch, list(CONFIG_MAPPING.keys()), n=3)
         return [f"config error: model.arch = {config.model.arch!r} is not a transformers model type"
                 + (f" (did you mean {', '.join(hint)}?)" if hint else "")]
-    known = set(defaults.to_dict()) | set(dir(defaults))
+    snapshot = _local_snapshot(config)
+    if isinstance(snapshot, str):
+        return [snapshot]
+    where = "model.arch" if snapshot is None else f"model.path ({snapshot.model_type})"
+    not_causal = _not_decoder_only(config.model.arch if snapshot is None else snapshot.model_type,
+                                   defaults if snapshot is None else snapshot, where)
+    if not_causal:
+        return [not_causal]
+    base = snapshot or defaults
+    known = set(base.to_dict()) | set(dir(base))
     problems = []
-    for key in config.model.config:
+    for key in config.model.config_fields:
         if key not in known:
             hint = difflib.get_close_matches(key, sorted(k for k in known if not k.startswith("_")), n=1)
             problems.append(
-                f"config error: unknown key 'model.config.{key}' for {config.model.arch}"
+                f"config error: unknown key 'model.config.{key}' for {base.model_type}"
                 + (f" (did you mean 'model.config.{hint[0]}'?)" if hint else "")
             )
-    return problems
+    if problems or (config.model.pretrained and snapshot is None):  # a hub_id snapshot is found when the run starts
+        return problems
+    problem = _check_model_values(config, base) or _check_lora_targets(config, base)
+    return [problem] if problem else []
+
+
+def _local_snapshot(config: RunConfig) -> Any:
+    """The HF config of a local model.path snapshot (None for a model built from scratch, a hub_id, or a path not
+    there yet, as on a login node rendering a job), or a one-line problem."""
+    from transformers import AutoConfig
+
+    path = Path(config.model.path) if config.model.path else None
+    if path is None or not (path / "config.json").is_file():
+        return None
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - json, unknown model types, the class's own checks
+        return f"config error: model.path: {path / 'config.json'} cannot be read: {' '.join(str(e).split())}"
+
+
+# Sizes that must be positive whatever the architecture calls them (GPT-2's n_embd, OPT's ffn_dim, ...).
+SIZE_KEYS = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "max_position_embeddings", "vocab_size", "head_dim", "n_embd", "n_layer", "n_head", "n_positions",
+             "n_inner", "n_ctx", "ffn_dim", "word_embed_proj_dim", "d_model", "num_layers", "num_heads"}
+
+
+def _not_decoder_only(arch: str, defaults: Any, where: str = "model.arch") -> str | None:
+    """A one-line refusal if `arch` is not a decoder-only causal LM (encoders such as bert, encoder-decoders)."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    supported = [t for t in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if t not in MODEL_FOR_MASKED_LM_MAPPING_NAMES]
+    if arch in supported and not getattr(defaults, "is_encoder_decoder", False):
+        return None
+    what = ("an encoder-decoder" if getattr(defaults, "is_encoder_decoder", False)
+            else "an encoder (masked LM)" if arch in MODEL_FOR_MASKED_LM_MAPPING_NAMES else "not a causal LM")
+    common = [t for t in ("llama", "gpt2", "opt", "qwen2", "mistral", "gemma", "phi", "falcon", "mixtral")
+              if t in supported]
+    return (f"config error: {where} = {arch!r} is {what}; clustertrain trains decoder-only causal LMs: the "
+            f"{len(supported)} model types of transformers' AutoModelForCausalLM that are not encoders, "
+            f"e.g. {', '.join(common)}")
+
+
+def _build_hf_config(config: RunConfig, base: Any) -> Any:
+    """The HF config the run will build: `base` (arch defaults or the snapshot's) with model.config on top."""
+    from transformers import AutoConfig
+
+    if config.model.pretrained:
+        return AutoConfig.from_pretrained(config.model.path, local_files_only=True, **config.model.config_fields)
+    return AutoConfig.for_model(base.model_type, **config.model.config_fields)
+
+
+def _check_model_values(config: RunConfig, base: Any) -> str | None:
+    """model.config values that cannot build a model: built by the HF config class, then our own shape checks.
+    `base` holds the values the user did not set (the arch's defaults, or a snapshot's config)."""
+    fields = config.model.config_fields
+    for key, value in fields.items():
+        if key in SIZE_KEYS and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"config error: model.config.{key} = {value!r}: must be a whole number"
+        if key in SIZE_KEYS and value is not None and value <= 0:
+            return f"config error: model.config.{key} = {value!r}: must be positive"
+    mapped = getattr(base, "attribute_map", {})
+
+    def key(name: str) -> str:  # the name the user writes for a field (GPT-2: hidden_size -> n_embd)
+        return f"model.config.{mapped.get(name, name)}"
+
+    def get(name: str) -> Any:
+        value = fields.get(mapped.get(name, name), fields.get(name, getattr(base, name, None)))
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    hidden, heads, layers = (get(n) for n in ("hidden_size", "num_attention_heads", "num_hidden_layers"))
+    # From scratch, head_dim and num_key_value_heads follow hidden_size and heads unless set; a snapshot has its own.
+    given = {*fields, *(base.to_dict() if config.model.pretrained else ())}
+    kv = get("num_key_value_heads") if mapped.get("num_key_value_heads", "num_key_value_heads") in given else None
+    has_head_dim = "head_dim" in given
+    if layers is not None and layers < 1:
+        return f"config error: {key('num_hidden_layers')} = {layers}: a model needs at least one layer"
+    if hidden and heads and not has_head_dim and hidden % heads:
+        return (f"config error: {key('hidden_size')} = {hidden} is not divisible by {key('num_attention_heads')} = "
+                f"{heads}")
+    if heads and kv and heads % kv:
+        return (f"config error: {key('num_key_value_heads')} = {kv} does not divide {key('num_attention_heads')} "
+                f"= {heads}")
+    for name in ("hidden_act", "activation_function"):
+        if isinstance(fields.get(name), str):
+            from transformers.activations import ACT2FN
+
+            if fields[name] not in ACT2FN:
+                return (f"config error: model.config.{name} = {fields[name]!r} is not an activation transformers "
+                        f"knows (e.g. silu, gelu, gelu_new, relu)")
+    try:
+        _build_hf_config(config, base)
+    except Exception as e:  # noqa: BLE001 - the HF config class's own checks, of many exception types
+        return f"config error: model.config: {base.model_type} rejects these values: {' '.join(str(e).split())}"
+    positions = get("max_position_embeddings")
+    if positions and config.data.seq_len > positions:
+        return (f"config error: data.seq_len = {config.data.seq_len} is longer than {key('max_position_embeddings')} "
+                f"= {positions}, the longest sequence the model can take")
+    return None
+
+
+def _check_lora_targets(config: RunConfig, base: Any) -> str | None:
+    """lora.target_modules must name modules of the model (peft would fail with a traceback when the run starts)."""
+    targets = config.lora.target_modules
+    if not config.lora.enabled or isinstance(targets, str):
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_build_hf_config(config, base))
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if not missing:
+        return None
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    return (f"config error: lora.target_modules: {', '.join(map(repr, missing))} is not a module of "
+            f"{base.model_type}; its linear layers are {', '.join(linear)}")
 
 
 def dump_config(config: RunConfig) -> str:
-    """The resolved config as YAML, in schema order."""
-    return yaml.safe_dump(config.model_dump(mode="json", by_alias=True), sort_keys=False)
+    """The resolved config as YAML, in schema order; reading it back gives the same run."""
+    data = config.model_dump(mode="json", by_alias=True)
+    if config.model.pretrained and "config" not in config.model.model_fields_set:
+        data["model"]["config"] = {}  # the default sizes would override the snapshot's once set in a file
+    if "micro_batch_size" not in config.train.model_fields_set:  # the default is capped; a value set must fit
+        data["train"]["micro_batch_size"] = min(config.train.micro_batch_size, config.train.global_batch_size)
+    return yaml.safe_dump(data, sort_keys=False)

@@ -8,15 +8,33 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from clustertrain.config.secrets import SECRET_NAME
+
+
+def _takes_bool(annotation: Any) -> bool:
+    """Whether a field's type admits true/false (bool itself, or a union or Literal holding it)."""
+    if annotation is bool or annotation in (True, False):
+        return True
+    return any(_takes_bool(arg) for arg in get_args(annotation) if not isinstance(arg, str))
 
 
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, assignments are validated."""
+    """Base of every section: unknown keys are errors, assignments are validated, and true/false is never taken
+    for a number (pydantic would read `steps: true` as 1)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        items = value if isinstance(value, (list, tuple)) else [value]  # [true, 3] for a pair of numbers too
+        if any(isinstance(v, bool) for v in items) and not _takes_bool(cls.model_fields[info.field_name].annotation):
+            raise ValueError("true/false is not allowed here; give a value of the field's own type")
+        return value
 
 
 class ModelConfig(Section):
@@ -63,6 +81,12 @@ class ModelConfig(Section):
         """Whether weights come from a snapshot rather than a fresh initialization."""
         return bool(self.path or self.hub_id)
 
+    @property
+    def config_fields(self) -> dict[str, Any]:
+        """The model.config fields a run builds with: for a snapshot only those set, as its config has the rest
+        (the defaults describe the model built from scratch)."""
+        return self.config if not self.pretrained or "config" in self.model_fields_set else {}
+
 
 class LoraConfig(Section):
     rank: int = Field(0, ge=0, description="LoRA rank r; 0 trains every weight (full fine-tuning).")
@@ -96,7 +120,7 @@ class SourceConfig(Section):
         "file", description="For .txt: one document per file, or per blank-line-separated block."
     )
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of .bin token files.")
-    weight: float = Field(1.0, gt=0, description="Mixture weight (normalized over the sources).")
+    weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="Mixture weight (normalized over the sources).")
     name: str | None = Field(None, description="Label in logs and audits; default: the file stem or dataset name.")
     max_bytes: int | None = Field(None, gt=0, description="stdlib only: read at most this many bytes.")
 
@@ -225,7 +249,10 @@ class TrainConfig(Section):
     steps: int | None = Field(300, gt=0, description="Optimizer steps; or set `tokens`.")
     tokens: int | None = Field(None, gt=0, description="Token budget; overrides `steps` when set.")
     global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, whatever the rank count.")
-    micro_batch_size: int = Field(8, gt=0, description="Sequences per forward/backward on one rank.")
+    micro_batch_size: int = Field(
+        8, gt=0, description="Sequences per forward/backward on one rank, at most; capped at a rank's share of "
+        "global_batch_size (the start line says so), so that a run resumes on more ranks.",
+    )
     seed: int = Field(1234, description="Seeds the initial weights and the data order (same on any rank count).")
     resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
     overwrite: bool = Field(
@@ -250,7 +277,10 @@ class TrainConfig(Section):
         try:
             parse_duration(self.walltime)
         except ValueError:
-            raise ValueError(f"walltime {self.walltime!r} is not seconds or [D-]HH:MM:SS") from None
+            raise ValueError(f"train.walltime {self.walltime!r} is not seconds or [D-]HH:MM:SS") from None
+        if "micro_batch_size" in self.model_fields_set and self.micro_batch_size > self.global_batch_size:
+            raise ValueError(f"micro_batch_size = {self.micro_batch_size} is larger than global_batch_size = "
+                             f"{self.global_batch_size}, the most any rank can get per step")
         return self
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
     eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
@@ -295,9 +325,6 @@ class MetricsConfig(Section):
     peak_flops: float | None = Field(
         None, gt=0, description="Peak FLOP/s per device for MFU; default: known GPUs from a table, CPUs measured."
     )
-
-
-SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|API_KEY|ACCESS_KEY|PRIVATE_KEY", re.IGNORECASE)
 
 
 class SlurmConfig(Section):
@@ -346,17 +373,30 @@ class SlurmConfig(Section):
     @field_validator("time", mode="before")
     @classmethod
     def _minutes(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) else value
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, value: str) -> str:
+        parse_slurm_time(value)
+        return value
 
     @model_validator(mode="after")
     def _checks(self) -> SlurmConfig:
         if self.signal_before >= parse_slurm_time(self.time):
             raise ValueError(f"signal_before = {self.signal_before} s must be shorter than time = {self.time!r}")
-        single_line = [self.account, self.partition, self.qos, self.job_name, self.output, self.python,
-                       *self.modules, *self.env.values(), *map(str, self.sbatch.values())]
-        if any(v is not None and ("\n" in v or "\r" in v) for v in single_line):
-            raise ValueError("values must be one line each: a newline would end the #SBATCH line")
+        single_line = {"account": self.account, "partition": self.partition, "qos": self.qos,
+                       "job_name": self.job_name, "output": self.output, "python": self.python,
+                       **{f"modules.{i}": m for i, m in enumerate(self.modules)},
+                       **{f"env.{k}": v for k, v in self.env.items()},
+                       **{f"sbatch.{k}": str(v) for k, v in self.sbatch.items()}}
+        for name, v in single_line.items():
+            if v is not None and ("\n" in v or "\r" in v):
+                raise ValueError(f"slurm.{name}: values must be one line each: a newline would end the #SBATCH line")
         for option in self.sbatch:
+            if option in ("time", "t"):
+                raise ValueError(f"sbatch: {option!r} is set by slurm.time (checked against slurm.signal_before); "
+                                 "set slurm.time instead")
             if not re.fullmatch(r"[A-Za-z][A-Za-z0-9-]*", option):
                 raise ValueError(f"sbatch: {option!r} is not an sbatch option name (letters, digits and -)")
         for name in self.env:

@@ -23,6 +23,9 @@ from clustertrain.dist.collectives import all_gather_objects
 from clustertrain.errors import ConfigError, DataError, UserError
 
 
+MAX_STREAMS_PER_RANK = 1 << 16
+
+
 class _RankStreams(IterableDataset):
     """Yields (stream id, sequence tensors, stream state after it, skip counts) round-robin over streams."""
 
@@ -54,12 +57,19 @@ class StreamLoader:
                 f"ranks; use a multiple of {dp_size}"
             )
         per_rank = self.num_streams // dp_size
+        if per_rank > MAX_STREAMS_PER_RANK:  # before allocating them: each keeps a reader and a window of documents
+            raise ConfigError(
+                f"train.global_batch_size = {self.num_streams:,} puts {per_rank:,} sequences of every step on each of "
+                f"the {dp_size} data-parallel ranks; at most {MAX_STREAMS_PER_RANK:,} per rank (each is a data stream "
+                "with its own position): lower it or use more ranks"
+            )
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         self.states: dict[int, Any] = {}
         self.batches = 0
         self.skipped: Counter = Counter()
         self._iterator: Iterator | None = None
         self._queues: dict[int, deque] = {s: deque() for s in self.stream_ids}
+        self._ahead: dict[str, Any] | None = None  # a batch read by prefetch(), for the next next_batch()
 
     # ---- position ------------------------------------------------------------------------------
     def local_state(self) -> dict[str, Any]:
@@ -102,12 +112,15 @@ class StreamLoader:
             )
         self.batches = state["batches"]
         self.states = {s: state["streams"][s] for s in self.stream_ids}
-        self._iterator = None
+        self._iterator = self._ahead = None
 
     # ---- batches -------------------------------------------------------------------------------
     def next_batch(self) -> dict[str, Any]:
         """This rank's rows of the next global batch: tensors `input_ids`, `labels`, `position_ids`
         ([rows, seq_len]), plus `origins` (per-row fingerprints) and `tokens_by_source` (a Counter)."""
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead, None
+            return batch
         if self._iterator is None:
             self._iterator = self._start()
             self._queues = {s: deque() for s in self.stream_ids}
@@ -134,6 +147,11 @@ class StreamLoader:
             "origins": origins,
             "tokens_by_source": tokens,
         }
+
+    def prefetch(self) -> None:
+        """Read the next batch now, so that a bad or missing record in it fails before anything slow or anything
+        on disk happens; the next `next_batch` returns it. Take no `state_dict` in between."""
+        self._ahead = self.next_batch()
 
     def _start(self) -> Iterator:
         dataset = _RankStreams(self.plan, self.stream_ids, dict(self.states), self.split)

@@ -26,7 +26,7 @@ IGNORE_INDEX = -100
 class Encoded:
     """One tokenized document: ids, and which ids carry loss (None: all of them)."""
 
-    ids: list[int]
+    ids: list[int] | np.ndarray  # an int32 array for a long document (plan.encode_long)
     loss_mask: list[bool] | None = None
 
 
@@ -85,6 +85,10 @@ class Cursor:
     def current_epoch(self) -> int:
         return self.positions[choose(self.weights, *self.key, self.count)][0]
 
+    def documents(self) -> int:
+        """How many documents this cursor can reach."""
+        return sum(order.length for order, weight in zip(self.orders, self.weights) if weight > 0)
+
     def advance(self) -> None:
         slot = choose(self.weights, *self.key, self.count)
         position = self.positions[slot]
@@ -121,7 +125,7 @@ class Packer:
     """
 
     def __init__(self, cursor: Cursor, seq_len: int, pad_id: int, whole_examples: bool, on_bad_data: str,
-                 labels: list[str]):
+                 labels: list[str]):  # labels: each source as messages name it, e.g. "'a' (data/a.jsonl)"
         self.cursor, self.seq_len, self.pad_id = cursor, seq_len, pad_id
         self.whole_examples, self.on_bad_data, self.labels = whole_examples, on_bad_data, labels
         self.offset = 0  # tokens of the current document already used
@@ -138,33 +142,38 @@ class Packer:
         return self._next_example_pack() if self.whole_examples else self._next_window()
 
     def _current(self) -> tuple[int, int, Encoded]:
-        while True:
+        for _ in range(self.cursor.documents() + 1):  # a whole pass over every document, and one more
             slot, index, encoded = self.cursor.current()
             if encoded is not None and len(encoded.ids) > 1:
                 return slot, index, encoded
             self.skipped["empty or bad record"] += 1
             self.cursor.advance()
+        raise DataError(
+            f"data source {self.labels[slot]}: every one of the {self.cursor.documents():,} documents this stream "
+            "reads was skipped (data.on_bad_data: skip), so there is nothing to train on; set data.on_bad_data: "
+            "error to see the first bad one"
+        )
 
     def _next_window(self) -> Sequence:
-        need = self.seq_len + 1
-        ids: list[int] = []
-        positions: list[int] = []
+        need, have = self.seq_len + 1, 0
+        pieces: list[np.ndarray] = []  # arrays, not lists of Python ints: 8 bytes a token, however long seq_len
         tokens: Counter = Counter()
         origin = None
-        while len(ids) < need:
+        while have < need:
             slot, index, encoded = self._current()
             if origin is None:
                 origin = (slot, index, self.offset, self.cursor.current_epoch())
-            take = encoded.ids[self.offset : self.offset + need - len(ids)]
-            positions.extend(range(len(take)))
-            ids.extend(take)
+            take = np.asarray(encoded.ids[self.offset : self.offset + need - have], dtype=np.int64)
+            pieces.append(take)
+            have += len(take)
             tokens[slot] += len(take)
             self.offset += len(take)
             if self.offset >= len(encoded.ids):
                 self.cursor.advance()
                 self.offset = 0
-        window = np.asarray(ids, dtype=np.int64)
-        return Sequence(window[:-1], window[1:].copy(), np.asarray(positions[:-1], dtype=np.int64), origin, tokens)
+        window = np.concatenate(pieces)
+        positions = np.concatenate([np.arange(len(piece), dtype=np.int64) for piece in pieces])
+        return Sequence(window[:-1], window[1:].copy(), positions[:-1], origin, tokens)
 
     def _next_example_pack(self) -> Sequence:
         ids: list[int] = []
@@ -198,7 +207,7 @@ class Packer:
     def _too_long(self, slot: int, index: int, length: int) -> None:
         if self.on_bad_data == "error":
             raise DataError(
-                f"data source {self.labels[slot]!r} document {index}: {length + 1} tokens do not fit data.seq_len = "
+                f"data source {self.labels[slot]} document {index}: {length + 1} tokens do not fit data.seq_len = "
                 f"{self.seq_len}; raise data.seq_len, or set data.on_bad_data: skip"
             )
         self.skipped["longer than seq_len"] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -88,15 +88,55 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+PIECE_CHARS = 1 << 18  # a longer document is tokenized in pieces of about this many characters
+LONG_KEPT = 4  # long documents whose encodings a process keeps for the other streams that read them
+
+
+def text_pieces(text: str, size: int = PIECE_CHARS) -> list[str]:
+    """`text` cut into pieces of at most `size` characters: after a line break, else before a space, where the
+    next character starts a word. Byte-level BPE's pre-tokenizer splits there anyway, so the pieces' tokens
+    are the whole text's."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        end = start + size
+        cut = _last_before_word(text, "\n", start + size // 2, end) + 1
+        if cut == 0:
+            cut = _last_before_word(text, " ", start + size // 2, end)
+        cut = cut if cut > start else end
+        pieces.append(text[start:cut])
+        start = cut
+    return [*pieces, text[start:]]
+
+
+def _last_before_word(text: str, char: str, lo: int, hi: int) -> int:
+    """The last index in [lo, hi) of `char` followed by a non-space, or -1."""
+    at = hi
+    while (at := text.rfind(char, lo, at)) >= 0:
+        if not text[at + 1 : at + 2].isspace():
+            return at
+    return -1
+
+
+def encode_long(tokenizer, text: str, eos: int) -> np.ndarray:
+    """A long document's ids (and `eos`) as one int32 array: tokenized piece by piece, so the tokenizer never
+    holds the whole document's encoding (offsets and all), and 4 bytes a token rather than a Python int's 28+8."""
+    parts = [np.asarray(tokenizer(piece, add_special_tokens=False, return_attention_mask=False)["input_ids"],
+                        dtype=np.int32) for piece in text_pieces(text)]
+    return np.concatenate([*parts, np.asarray([eos], dtype=np.int32)])
+
+
 class DataPlan:
     """Sources opened once per process; `stream(s, split)` builds stream s of `num_streams` from them."""
 
     def __init__(self, data: DataConfig, tokenizer, num_streams: int, seed: int, cache_dir: Path):
         self.data, self.tokenizer, self.num_streams, self.seed = data, tokenizer, num_streams, seed
         self.labels = [s.label for s in data.sources] if data.mode != "random" else ["random"]
+        where = [s.path or s.hf_name for s in data.sources]
+        self.names = [f"{s.label!r} ({w})" if w else repr(s.label) for s, w in zip(data.sources, where)]  # in messages
         self.weights = tuple(s.weight for s in data.sources)
         self.sources = [] if data.mode == "random" else [self._open(s, cache_dir) for s in data.sources]
         self.ranges = [self._split(len(src)) for src in self.sources]
+        self._long: OrderedDict[tuple[int, int], Encoded] = OrderedDict()  # (source, document) -> its encoding
 
     def _open(self, source: SourceConfig, cache_dir: Path):
         if is_token_source(source):
@@ -136,7 +176,7 @@ class DataPlan:
             orders = [self._order(i, s, split, buffer, key) for i in range(len(self.sources))]
             sft = self.data.mode == "sft"
             make = lambda os, ws: Packer(  # noqa: E731
-                Cursor(os, ws, (*key, 7)), self.data.seq_len, self._pad_id(), sft, self.data.on_bad_data, self.labels
+                Cursor(os, ws, (*key, 7)), self.data.seq_len, self._pad_id(), sft, self.data.on_bad_data, self.names
             )
             if self.data.mix_by == "rows" or len(orders) == 1:
                 stream = Stream([make(orders, self.weights)], (1.0,), key)
@@ -181,11 +221,23 @@ class DataPlan:
 
         def encode_text(docs: list[Document]) -> list[Encoded | None]:
             texts = [self._guard(lambda d: text_of(d, field), d) for d in docs]
-            good = [t for t in texts if t is not None]
-            ids = iter(tokenizer(good, add_special_tokens=False)["input_ids"] if good else [])
-            return [None if t is None else Encoded([*next(ids), eos]) for t in texts]
+            short = [t for t in texts if t is not None and len(t) <= PIECE_CHARS]
+            ids = iter(tokenizer(short, add_special_tokens=False)["input_ids"] if short else [])
+            return [None if t is None else Encoded([*next(ids), eos]) if len(t) <= PIECE_CHARS
+                    else self._long_document((i, d.index), lambda t=t: encode_long(tokenizer, t, eos))
+                    for d, t in zip(docs, texts)]
 
         return encode_text
+
+    def _long_document(self, key: tuple[int, int], encode) -> Encoded:
+        """A long document's encoding, made once for every stream that reads it (streams share the documents of a
+        source with fewer documents than streams): the last LONG_KEPT are kept."""
+        if key not in self._long:
+            self._long[key] = Encoded(encode())
+            while len(self._long) > LONG_KEPT:
+                self._long.popitem(last=False)
+        self._long.move_to_end(key)
+        return self._long[key]
 
     def _guard(self, fn, doc: Document):
         """fn(doc), or None for a bad record when data.on_bad_data is skip (the packer counts it)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import uuid
 import zipfile
 from bisect import bisect_right
 from collections import Counter
@@ -101,6 +101,18 @@ def decode(raw: bytes, offset: int, location: str, bad: BadData) -> str | None:
         return None
 
 
+def check_text(text: str, what: str) -> str:
+    """`text`, if it is Unicode text a tokenizer takes; a DataError naming `what` for a lone surrogate, which a
+    JSON `\\ud800` escape can make and no UTF-8 encoder (so no tokenizer) accepts."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{what} holds a lone surrogate \\u{ord(text[e.start]):04x} at character {e.start}, which is "
+                            "not text (half of a \\u escaped pair?)") from None
+    return text
+
+
 def json_type(value: Any) -> str:
     """The JSON name of a value's type, for messages."""
     names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
@@ -112,12 +124,25 @@ def parse_object(text: str, location: str, bad: BadData) -> dict | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        bad.report("malformed JSON", f"{location}: malformed JSON ({e.msg} at column {e.colno})")
+        bad.report("malformed JSON", f"{location}: malformed JSON ({_at_column(e)})")
+        return None
+    except (RecursionError, ValueError) as e:  # nesting past the recursion limit; an integer of 4,300+ digits
+        bad.report("malformed JSON", f"{location}: malformed JSON ({_json_limit(e)})")
         return None
     if not isinstance(value, dict):
         bad.report("not a JSON object", f"{location}: not a JSON object (got {json_type(value)})")
         return None
     return value
+
+
+def _at_column(error: json.JSONDecodeError) -> str:
+    return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # "Unterminated string starting at"
+
+
+def _json_limit(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return _first_line(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
 
 
 # Line-based files: jsonl (a record per non-blank line) and text blocks (a record per run of non-blank lines).
@@ -154,9 +179,10 @@ def load_index(path: Path, blocks: bool, cache_dir: Path) -> tuple[int, np.ndarr
     count, marks = scan_records(path, blocks)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=file.parent, prefix=file.name, delete=False) as f:
+        part = file.with_name(f".{file.name}.{uuid.uuid4().hex}")  # by open(): as readable as the umask says
+        with open(part, "wb") as f:
             np.savez(f, count=count, marks=marks)
-        os.replace(f.name, file)  # atomic: ranks scanning the same file at once never see half an index
+        os.replace(part, file)  # atomic: ranks scanning the same file at once never see half an index
     except OSError:
         pass  # a read-only cache only costs a rescan next time
     return count, marks
@@ -279,7 +305,10 @@ def _load_json(path: Path, bad: BadData) -> list | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        bad.report("malformed JSON", f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})")
+        bad.report("malformed JSON", f"{path}:{e.lineno}: malformed JSON ({_at_column(e)})")
+        return None
+    except (RecursionError, ValueError) as e:
+        bad.report("malformed JSON", f"{path}: malformed JSON ({_json_limit(e)})")
         return None
     if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), list):
         value = next(iter(value.values()))

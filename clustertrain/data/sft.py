@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from clustertrain.data.readers import check_text
 from clustertrain.errors import DataError
 
 
@@ -57,6 +58,8 @@ def render_example(record: dict, tokenizer, *, field: str = "text", location: st
     input_ids: list[int] = []
     loss_mask: list[bool] = []
     for piece, is_response in pieces:
+        if isinstance(piece, str):
+            check_text(piece, f"{where}the record")
         ids = [piece] if isinstance(piece, int) else tokenizer.encode(piece, add_special_tokens=False)
         input_ids += ids
         loss_mask += [is_response] * len(ids)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from clustertrain.config.schema import SourceConfig
 from clustertrain.data import readers
-from clustertrain.data.readers import BadData, Row, Shard, json_type
+from clustertrain.data.readers import BadData, Row, Shard, check_text, json_type
 from clustertrain.errors import DataError
 
 EXTENSIONS = {
@@ -163,7 +163,7 @@ def text_of(doc: Document, field: str) -> str:
     value = doc.record[field]
     if not isinstance(value, str):
         raise DataError(f"{doc.location}: field '{field}' is {json_type(value)}, not a string")
-    return value
+    return check_text(value, f"{doc.location}: field '{field}'")
 
 
 def resolve_files(pattern: str, fmt: str = "auto") -> tuple[str, list[Path]]:

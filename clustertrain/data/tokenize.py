@@ -12,6 +12,8 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from clustertrain.config.schema import DataConfig
+from clustertrain.data.plan import text_pieces
+from clustertrain.data.readers import check_text
 from clustertrain.data.sources import open_source, text_of
 from clustertrain.data.tokens import is_token_source
 from clustertrain.errors import DataError
@@ -91,14 +93,18 @@ def training_texts(data: DataConfig) -> Iterator[str]:
                 yield from _strings(doc.record)
             else:
                 try:
-                    yield text_of(doc, field)
+                    yield from text_pieces(text_of(doc, field))  # a long document in pieces: bounded memory
                 except DataError:
                     continue
 
 
 def _strings(value) -> Iterator[str]:
     if isinstance(value, str):
-        yield value
+        try:
+            text = check_text(value, "a string")
+        except DataError:  # a lone surrogate, which the BPE trainer cannot take: refused when the record is read
+            return
+        yield from text_pieces(text)
     elif isinstance(value, dict):
         for v in value.values():
             yield from _strings(v)

@@ -46,9 +46,10 @@ class TokenSource:
             path, array = self.arrays[shard]
             begin = (index - int(self.counts[shard])) * self.window
             ids = np.asarray(array[begin : begin + self.window], dtype=np.int64)
-            if ids.max() >= self.vocab_size:
+            if ids.max() >= self.vocab_size or ids.min() < 0:
+                bad = int(ids.max() if ids.max() >= self.vocab_size else ids.min())
                 raise DataError(
-                    f"{path}: token id {int(ids.max())} at window {index} is outside the vocabulary of "
+                    f"{path}: token id {bad} at window {index} is outside the vocabulary of "
                     f"{self.vocab_size} tokens (wrong token_dtype or tokenizer?)"
                 )
             yield Document(index, {"ids": ids}, f"{path} tokens [{begin}, {begin + self.window})")
@@ -70,7 +71,10 @@ def _files(pattern: str) -> list[Path]:
 def _open(path: Path, dtype: str) -> np.ndarray:
     try:
         if path.suffix == ".npy":
-            array = np.load(path, mmap_mode="r")
+            with open(path, "rb") as f:
+                if f.read(6) != b"\x93NUMPY":  # else np.load would take it for a pickle
+                    raise DataError(f"{path}: not a .npy file (no NumPy header); token files are .npy or raw .bin")
+            array = np.load(path, mmap_mode="r")  # allow_pickle=False: an object array is refused
             if array.ndim != 1 or array.dtype.kind not in "ui":
                 raise DataError(f"{path}: expected a 1-D array of integer token ids, got {array.dtype} {array.shape}")
             return array

@@ -5,11 +5,18 @@ A rank other than 0 whose error is the user's (bad data in its share, a file onl
 waits a moment for rank 0 to show it; if rank 0 is stuck in a collective, the rank shows it itself. Rank 0
 reports its own user error; any other error of its own (often only the dropped connection of the peer that
 failed first) gives way to the earliest error published, which rank 0 then records in `status.json` and shows
-once on the terminal.
+once on the terminal. A rank other than 0 whose error is not the user's, when another rank failed before it
+(rank 0's bad line broke its collective), stays quiet: that error is reported where it happened.
+
+Whoever shows an error claims that atomically on the store and prints at once: a launcher that ends the other
+ranks when one exits (torchrun, srun) may end the claimant a moment later. Rank 0 usually hosts the store, so
+after closing its process group (which breaks the others' collectives) it keeps the store up until every rank
+has published, for at most SHOW_WAIT_S (`let_peers_report`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -21,6 +28,7 @@ import torch.distributed as dist
 from clustertrain.errors import UserError
 
 _PREFIX = "clustertrain/failures/"
+_SHOWN = _PREFIX + "shown"  # the rank that showed an error on the terminal
 SHOW_WAIT_S = 2.0  # how long a failing rank waits for rank 0 to show its error; rank 0 waits as long for peers'
 
 
@@ -45,47 +53,112 @@ class RankFailure:
     def __str__(self) -> str:  # for status.json
         return f"{self.kind}: {self.message}" + (f" (rank {self.rank})" if self.rank else "")
 
+    def line(self) -> str:
+        """What the terminal shows: a user error's own line; another rank's other error named, with its rank."""
+        if self.user:
+            return self.message
+        return (f"rank {self.rank} failed first with {self.kind}: {self.message} "
+                "(its traceback is in that rank's output)")
+
 
 class PeerFailed(UserError):
-    """Rank 0 stops because another rank failed first: the message is that rank's error."""
+    """This rank stops because another rank failed first: the message is that rank's error."""
 
     def __init__(self, failure: RankFailure):
-        super().__init__(failure.message if failure.user else f"rank {failure.rank} failed first with {failure.kind}: "
-                         f"{failure.message} (its traceback is in that rank's output)")
+        super().__init__(failure.line())
         self.exit_code = failure.exit_code
         self.shown = failure.shown
 
 
 def first_failure(error: BaseException) -> RankFailure:
-    """Publish this rank's `error` and return the error to report. Rank 0: its own if it is a user error, else
-    the earliest of any rank's. Other ranks: their own, shown here if rank 0 has not shown one within SHOW_WAIT_S."""
+    """Publish this rank's `error` and return the error to report; `shown` if it is on the terminal already.
+
+    Rank 0: its own if it is a user error, else the earliest of any rank's. Other ranks: their own user error,
+    shown here if rank 0 has not shown one within SHOW_WAIT_S; an error that came after another rank's (a
+    collective it broke) gives way to that one, which rank 0 reports. A UserError shown here is marked
+    `shown = True` for the CLI."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     own = RankFailure.of(rank, error)
     store = _store()
     if store is None:
         return own
-    shown = _PREFIX + "shown"
     try:
-        store.set(f"{_PREFIX}{store.add(_PREFIX + 'count', 1)}", json.dumps(asdict(own)))
-        if rank != 0:
-            if own.user and not _wait_for(lambda: store.check([shown])):
-                print(f"error: {own.message}", file=sys.stderr, flush=True)
-                store.set(shown, str(rank))
-                own.shown = True
-            return own
-        if own.user:  # real, whatever the others had (often the same error, on every rank)
-            store.set(shown, "0")
-            return own
-        _wait_for(lambda: store.add(_PREFIX + "count", 0) > 1)  # most likely a peer failed first: let its record in
-        count = store.add(_PREFIX + "count", 0)
-        failures = [RankFailure(**json.loads(store.get(f"{_PREFIX}{i}"))) for i in range(1, count + 1)]
-        first = min(failures, key=lambda f: (f.time, f.rank))
-        first.shown = first.rank != 0 and store.check([shown])
-        if first.user:
-            store.set(shown, "0")  # rank 0 shows it (now, or through its own exception): the others keep quiet
-        return first
+        first = _first_on_rank0(store, own) if rank == 0 else _first_on_peer(store, own)
     except (RuntimeError, OSError, ValueError):  # the store went down with rank 0, or timed out
         return own
+    if first is own and own.shown:
+        error.shown = True  # type: ignore[attr-defined]  # read by the CLI, which then prints nothing more
+    return first
+
+
+def _first_on_rank0(store: dist.Store, own: RankFailure) -> RankFailure:
+    global _lingering
+    _lingering = store, dist.get_world_size()
+    _publish(store, own)
+    first = own  # a user error of its own is real, whatever the others had (often the same one, on every rank)
+    if not own.user:
+        _wait_for(lambda: _count(store) > 1)  # most likely a peer failed first: let its record in
+        first = min(_published(store), key=lambda f: (f.time, f.rank))
+    if first.user or first.rank != 0:  # rank 0's own other error: Python's traceback, on the way out
+        shown_by = _show(store, first)
+        if shown_by != 0:  # a peer that waited for rank 0 in vain showed its own, earlier error: that is the first
+            first = next((f for f in _published(store) if f.rank == shown_by), first)
+        first.shown = True
+    return first
+
+
+def _first_on_peer(store: dist.Store, own: RankFailure) -> RankFailure:
+    if not own.user:  # read before publishing: rank 0 may leave once every rank has published
+        earlier = [f for f in _published(store) if f.time <= own.time]
+        if earlier:
+            first = min(earlier, key=lambda f: (f.time, f.rank))
+            first.shown = True  # by the rank that had it, or by rank 0
+            _publish(store, own)
+            return first
+    _publish(store, own)
+    if own.user:
+        if not _wait_for(lambda: store.check([_SHOWN])):
+            _show(store, own)
+        own.shown = True  # here, or rank 0 showed an error (this one, or an earlier one)
+    return own
+
+
+def _show(store: dist.Store, failure: RankFailure) -> int:
+    """Print `failure` unless a rank has shown an error already (the claim on the store makes it once); returns
+    the rank that showed one."""
+    me = str(dist.get_rank()).encode()
+    shown_by = store.compare_set(_SHOWN, "", me)
+    if shown_by == me:
+        print(f"error: {failure.line()}", file=sys.stderr, flush=True)
+    return int(shown_by)
+
+
+def let_peers_report() -> None:
+    """Rank 0, after a failure and once its process group is closed: keep the store up until every rank has
+    published its error (their collectives broke when the group closed), for at most SHOW_WAIT_S."""
+    global _lingering
+    if _lingering is None:
+        return
+    (store, world_size), _lingering = _lingering, None
+    with contextlib.suppress(RuntimeError, OSError, ValueError):
+        _wait_for(lambda: _count(store) >= world_size)
+
+
+_lingering: tuple[dist.Store, int] | None = None  # rank 0's store and world size, held for let_peers_report
+
+
+def _publish(store: dist.Store, failure: RankFailure) -> None:
+    store.set(f"{_PREFIX}{store.add(_PREFIX + 'count', 1)}", json.dumps(asdict(failure)))
+
+
+def _count(store: dist.Store) -> int:
+    return store.add(_PREFIX + "count", 0)
+
+
+def _published(store: dist.Store) -> list[RankFailure]:
+    keys = [f"{_PREFIX}{i}" for i in range(1, _count(store) + 1)]
+    # check() first: a key counted but not yet set (its rank is between add and set) would block get()
+    return [RankFailure(**json.loads(store.get(key))) for key in keys if store.check([key])]
 
 
 def _store() -> dist.Store | None:

@@ -147,15 +147,29 @@ def _kill(procs: list[subprocess.Popen], grace_s: float = 0) -> None:
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
+    """Wait for the ranks; at the first that fails, stop the others and return its exit code. The ranks report
+    their own errors (clustertrain/dist/failures.py); a rank killed by a signal cannot, so this says it."""
     while True:
         codes = [p.poll() for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
             _kill(procs, grace_s=30)
-            return failed[0] if failed[0] > 0 else 128 - failed[0]  # killed by signal N: 128 + N, as shells say
+            rank, code = failed[0]
+            if code > 0:
+                return code
+            hint = " (out of memory? the kernel's OOM killer sends it: see `dmesg`)" if -code == signal.SIGKILL else ""
+            print(f"error: rank {rank} was killed by {_signal_name(-code)}{hint}", file=sys.stderr, flush=True)
+            return 128 - code  # killed by signal N: 128 + N, as shells say
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.1)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -69,7 +69,8 @@ def submit(config: RunConfig, workdir: Path, source: str) -> tuple[str, Path]:
     snapshot.write_text(dump_config(config))
     script = folder / "job.sh"
     script.write_text(render_script(config, [str(snapshot)], workdir, source))
-    script.chmod(0o755)
+    mode = script.stat().st_mode
+    script.chmod(mode | (mode & 0o444) >> 2)  # executable by whoever may read it, as the umask says
     result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=workdir)
     if result.returncode != 0:
         raise LaunchError(f"sbatch refused {script}: {' '.join(result.stderr.split())}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from clustertrain.config.load import load_yaml, read_utf8
 from clustertrain.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -53,7 +54,7 @@ def load_preset(name_or_path: str) -> Preset:
         what = f"preset file {path} does not exist" if looks_like_path else f"no built-in preset {name_or_path!r}"
         raise ConfigError(f"slurm.preset: {what}; use one of {known}, or the path of your own preset YAML")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(read_utf8(path, "slurm.preset: file"), f"slurm.preset: {path}") or {}
         return Preset.model_validate(data)
     except yaml.YAMLError as e:
         raise ConfigError(f"slurm.preset: {path} is not valid YAML: {' '.join(str(e).split())}") from None

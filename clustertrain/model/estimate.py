@@ -15,6 +15,7 @@ what this process can achieve on this machine, not to a theoretical peak.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import NamedTuple
 
@@ -132,6 +133,63 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
         )
     n = count_params(model)["flops_params"]
     return flops_per_token(n, n_layers, n_heads, head_dim, seq_len)
+
+
+def training_memory_floor(model: nn.Module, *, rows: int, seq_len: int, logits_tokens: int, activation_bytes: int,
+                          ranks: int, stages: int = 1, tp: int = 1) -> dict[str, tuple[float, str]]:
+    """The least memory one rank needs to train ``model`` on micro-batches of ``rows`` x ``seq_len``, by part:
+    ``{part: (bytes, the arithmetic that gives them)}``. A lower bound, so a refusal on it is never wrong:
+
+    - weights: every parameter once, in its dtype, spread over all ``ranks`` (gradients and AdamW's two
+      moments, 2-3 times more, come on top);
+    - activations: each block keeps at least its input, ``rows · seq_len · hidden`` values, for the backward
+      pass, even under full activation checkpointing; its intermediates come on top (about 34 bytes per token
+      and hidden unit in 16 bits without recomputation: Korthikanti et al. 2022, "Reducing Activation
+      Recomputation in Large Transformer Models", eq. 1). A rank holds layers / ``stages`` blocks, split at
+      best ``tp`` ways (sequence parallelism);
+    - logits: ``logits_tokens`` x vocabulary fp32 values and their gradients (the whole micro-batch under the
+      full loss, one chunk under the chunked one), split at best ``tp`` ways.
+    """
+    config = model.config.get_text_config() if callable(getattr(model.config, "get_text_config", None)) else model.config
+    layers = _config_attr(config, ("num_hidden_layers", "n_layer", "num_layers", "n_layers")) or 1
+    hidden = _config_attr(config, ("hidden_size", "n_embd", "d_model", "dim")) or 1
+    vocab = _config_attr(config, ("vocab_size",)) or 1
+    unique = {id(p): p for p in model.parameters()}.values()
+    params, weights = sum(p.numel() for p in unique), sum(p.numel() * p.element_size() for p in unique)
+    blocks = max(1, layers // stages)
+    return {
+        "weights": (weights / ranks, f"{params:,} parameters x {weights // max(params, 1)} bytes / {ranks} rank(s)"),
+        "activations": (rows * seq_len * hidden * blocks * activation_bytes / tp,
+                        f"train.micro_batch_size {rows} x data.seq_len {seq_len:,} x hidden {hidden:,} x {blocks} "
+                        f"blocks x {activation_bytes} bytes" + (f" / tp {tp}" if tp > 1 else "")),
+        "logits": (logits_tokens * vocab * 4 * 2 / tp,
+                   f"{logits_tokens:,} tokens x vocabulary {vocab:,} x 4 bytes x 2 (values and gradients)"
+                   + (f" / tp {tp}" if tp > 1 else "")),
+    }
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory of a GPU, or of this host for a CPU; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory_floor(floor: dict[str, tuple[float, str]], device: torch.device, hint: str) -> None:
+    """Refuse in one line, before anything is allocated, a run whose :func:`training_memory_floor` exceeds the
+    memory of `device` (of the host, for a CPU); `hint` says which setting to lower."""
+    need, have = sum(size for size, _ in floor.values()), device_memory(device)
+    if not have or need <= have:
+        return
+    from clustertrain.errors import ConfigError
+
+    parts = [f"{part} {how} = {size / 2**30:,.1f} GiB" for part, (size, how) in
+             sorted(floor.items(), key=lambda item: -item[1][0]) if size >= need / 100]
+    raise ConfigError(f"one training step needs at least {need / 2**30:,.1f} GiB on each rank, more than the "
+                      f"{have / 2**30:,.1f} GiB of this {device.type}: {'; '.join(parts)}; {hint}")
 
 
 class _Peak(NamedTuple):

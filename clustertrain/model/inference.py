@@ -62,6 +62,7 @@ def _is_hf_dir(path: Path) -> bool:
 
 def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from clustertrain.model.weights import refusal
@@ -76,7 +77,7 @@ def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     except pickle.UnpicklingError as e:  # transformers loads .bin weights with weights_only=True
         raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
     tokenizer_dir = path
     if adapter and not _has_tokenizer(path):  # then its base model has it

@@ -37,8 +37,7 @@ def build_hf_config(
     """
     snapshot = snapshot_dir(model)
     if snapshot is not None:
-        overrides = model.config if "config" in model.model_fields_set else {}
-        config = AutoConfig.from_pretrained(snapshot, local_files_only=True, **overrides)
+        config = AutoConfig.from_pretrained(snapshot, local_files_only=True, **model.config_fields)
         if tokenizer is not None and len(tokenizer) > config.vocab_size:
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but {snapshot} only {config.vocab_size}")
         return config

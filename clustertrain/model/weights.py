@@ -17,7 +17,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -125,8 +125,11 @@ def _weight_files(snapshot: Path) -> list[Path]:
 
 def _keys(path: Path) -> list[str]:
     if path.suffix == ".safetensors":
-        with safe_open(path, framework="pt") as f:
-            return list(f.keys())
+        try:
+            with safe_open(path, framework="pt") as f:
+                return list(f.keys())
+        except (SafetensorError, OSError) as e:  # truncated or not safetensors at all
+            raise CheckpointError(f"{path} is not a readable safetensors file ({str(e).strip()[:200]})") from None
     return list(_bin(path))
 
 

@@ -36,6 +36,26 @@ class Diverged(UserError):
     exit_code = DIVERGED_EXIT_CODE
 
 
+class OutOfMemory(UserError):
+    """A micro-batch needed more memory than the device has (past the start-up check, which is a lower bound)."""
+
+
+@contextlib.contextmanager
+def out_of_memory_named(rows: int, seq_len: int):
+    """Turn an allocation failure (CUDA's OutOfMemoryError, the CPU allocator's RuntimeError) into one line that
+    names the sizes to lower; the failed step's tensors are freed with the traceback it drops."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        asked = next((line for line in str(e).splitlines() if "allocate" in line), str(e)).strip()[:200]
+        raise OutOfMemory(
+            f"out of memory in a micro-batch of train.micro_batch_size {rows} x data.seq_len {seq_len:,} tokens "
+            f"({asked}); lower either, or set parallel.activation_checkpoint: full"
+        ) from None
+
+
 @dataclass
 class StepResult:
     """What a step measured, left on the device: reading it forces a sync, so only log steps do.
@@ -84,18 +104,19 @@ def train_step(
     total_tokens = count_tokens(batch, dp_group)
     local_loss = torch.zeros((), device=batch["input_ids"].device)
     n_micro = math.ceil(batch["input_ids"].shape[0] / micro_batch_size)
-    for i in range(n_micro):
-        rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-        last = i == n_micro - 1
-        sync = model.no_sync() if isinstance(model, DistributedDataParallel) and not last else contextlib.nullcontext()
-        with sync, autocast(batch["input_ids"].device, autocast_dtype):
-            positions = batch.get("position_ids")
-            loss_sum = token_loss_sum(
-                model, batch["input_ids"][rows], batch["labels"][rows], None if positions is None else positions[rows]
-            )
-            loss = loss_sum * dp_size / total_tokens
-            (scaler.scale(loss) if scaler else loss).backward()
-        local_loss += loss_sum.detach()
+    with out_of_memory_named(micro_batch_size, batch["input_ids"].shape[1]):
+        for i in range(n_micro):
+            rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
+            last = i == n_micro - 1
+            sync = (model.no_sync() if isinstance(model, DistributedDataParallel) and not last
+                    else contextlib.nullcontext())
+            with sync, autocast(batch["input_ids"].device, autocast_dtype):
+                positions = batch.get("position_ids")
+                loss_sum = token_loss_sum(model, batch["input_ids"][rows], batch["labels"][rows],
+                                          None if positions is None else positions[rows])
+                loss = loss_sum * dp_size / total_tokens
+                (scaler.scale(loss) if scaler else loss).backward()
+            local_loss += loss_sum.detach()
     if scaler:
         scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm(model, grad_clip)

@@ -29,12 +29,13 @@ from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root, load_tokenizer
 from clustertrain.dist.collectives import all_reduce, broadcast, reduce_values
 from clustertrain.dist.env import RankInfo, detect_launcher
-from clustertrain.dist.failures import PeerFailed, RankFailure, first_failure
+from clustertrain.dist.failures import PeerFailed, RankFailure, first_failure, let_peers_report
 from clustertrain.dist.init import close_distributed, init_distributed, rank0_first
 from clustertrain.dist.mesh import build_mesh
 from clustertrain.errors import CheckpointError, ConfigError
 from clustertrain.model.attention import resolve_attention
-from clustertrain.model.estimate import count_params, model_flops_per_token, peak_flops
+from clustertrain.model.estimate import (check_memory_floor, count_params, model_flops_per_token, peak_flops,
+                                         training_memory_floor)
 from clustertrain.model.kernels import apply_kernels
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
 from clustertrain.model.weights import materialize
@@ -118,6 +119,9 @@ class Trainer:
         self.loss_kind, loss_note = apply_loss_head(meta, resolve_loss(cfg.train.loss, self.hf_config.vocab_size),
                                                     cfg.train.loss_chunk_tokens, cfg.parallel.compile,
                                                     fused=kernels.linear_cross_entropy)
+        self._check_memory(meta)
+        if not self._resuming():  # a resume moves the loader elsewhere: its first batch is read then
+            self.loader.prefetch()  # bad data in it refuses the start before the model is built
         self.kernel_notes = [note for note in (kernels.note, loss_note) if note]  # said by rank 0 at start
         self.params = count_params(meta)
         self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
@@ -136,6 +140,24 @@ class Trainer:
         self.total_steps = total_steps(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])
+
+    def _check_memory(self, meta: torch.nn.Module) -> None:
+        """Refuse sizes that cannot fit (a huge batch, sequence or vocabulary) before any of them is allocated."""
+        cfg, tokens = self.config, self.micro_batch_size * self.config.data.seq_len
+        floor = training_memory_floor(
+            meta, rows=self.micro_batch_size, seq_len=cfg.data.seq_len, ranks=dist.get_world_size(),
+            logits_tokens=tokens if self.loss_kind == "full" else min(tokens, cfg.train.loss_chunk_tokens),
+            activation_bytes=DTYPES[cfg.parallel.param_dtype].itemsize, stages=cfg.parallel.pp, tp=self.mesh.tp,
+        )
+        check_memory_floor(floor, self.device, "lower train.micro_batch_size or data.seq_len"
+                           + (", or use train.loss=chunked" if self.loss_kind == "full" else "")
+                           + ", or use a smaller model or more ranks")
+
+    def _resuming(self) -> bool:
+        """Whether resume() will load a checkpoint (train.resume a path, or auto with one in the run directory)."""
+        choice = self.config.train.resume
+        return choice not in ("none", "auto") or (choice == "auto"
+                                                   and ckpt.latest_checkpoint(self.run_dir / "checkpoints") is not None)
 
     # ---- resume ------------------------------------------------------------------------------
     def resume(self) -> Path | None:
@@ -196,11 +218,12 @@ class Trainer:
                     error = f"interrupted by a second Ctrl-C, without saving (last checkpoint: {checkpoint or 'none'})"
                 with contextlib.suppress(OSError):  # the error that matters is `e`
                     write_status(self.run_dir, "failed", step=self.step, error=error)
-            if first is not None and first.rank != self.info.rank:  # rank 0 stops because another rank failed first
+            if first is not None and first.rank != self.info.rank:  # this rank stops because another failed first
                 raise PeerFailed(first) from None
             raise
         finally:
             self.close()
+            let_peers_report()  # rank 0 after a failure: the others learn from the store that it failed first
 
     def _records_failure(self, first: RankFailure | None) -> bool:
         """Whether the failure goes into status.json: only by the lock's holder (rank 0), and never for a start
@@ -516,9 +539,12 @@ class Trainer:
             + (f", pp={self.mesh.pp} {cfg.parallel.pp_schedule} x {self.microbatches} microbatches, "
                f"{len(self.model)} stage(s) per rank" if self.pipeline else "") + ")"
         )
+        capped = (f", train.micro_batch_size {cfg.train.micro_batch_size} capped at a rank's share"
+                  if cfg.train.micro_batch_size > self.micro_batch_size and not self.pipeline else "")
         self.logger.info(
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "
-            f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}); "
+            f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}"
+            f"{capped}); "
             f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens; "
             f"AdamW {'fused' if self.optimizer.param_groups[0].get('fused') else 'foreach'}, "
             f"{self.attention} attention, {self.loss_kind} loss"
@@ -554,7 +580,8 @@ def total_steps(cfg: RunConfig) -> int:
 
 
 def micro_batch_size(cfg: RunConfig, dp_size: int) -> int:
-    """Rows per forward on one rank: train.micro_batch_size, capped at the rank's share of the global batch."""
+    """Rows per forward on one rank: train.micro_batch_size, capped at the rank's share of the global batch, so
+    that a config runs, and resumes, on any number of ranks; the start line says when it is capped."""
     per_rank = cfg.train.global_batch_size // dp_size
     micro = min(cfg.train.micro_batch_size, per_rank)
     if per_rank % micro:

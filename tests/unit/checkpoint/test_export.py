@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -90,6 +91,19 @@ def test_export_writes_safetensors_config_and_tokenizer_only(trained, exported):
     assert tokenizer("def f(x):").input_ids == trained[1]("def f(x):").input_ids
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_exported_files_are_as_readable_as_the_umask_says(checkpoint, tmp_path, umask, mode):
+    previous = os.umask(umask)
+    try:
+        out = export_hf(checkpoint, tmp_path / "out", max_shard_size="100KB")
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes)  # written through a private temporary file
+    assert set(modes.values()) == {mode}, modes
+    assert out.stat().st_mode & 0o777 == mode | 0o111 & ~umask
+
+
 def test_sharded_export_writes_an_index_and_loads(checkpoint, trained, tmp_path):
     out = export_hf(checkpoint, tmp_path / "sharded", max_shard_size="100KB")
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -171,6 +185,24 @@ def test_checkpoint_that_does_not_fit_its_config_is_a_one_line_error(checkpoint,
     with pytest.raises(CheckpointError, match=re.escape(message)) as error:
         load_checkpoint_model(copy)
     assert "\n" not in str(error.value)
+
+
+def test_a_truncated_safetensors_file_is_one_line_wherever_it_is_read(exported, tmp_path):
+    snapshot = tmp_path / "snapshot"
+    shutil.copytree(exported, snapshot)
+    weights = snapshot / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    from clustertrain.model.inference import load_for_inference
+    from clustertrain.model.weights import load_pretrained
+
+    model = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(snapshot))
+    for load in (lambda: import_hf(snapshot, tmp_path / "imported"), lambda: load_for_inference(snapshot),
+                 lambda: load_pretrained(model, snapshot)):  # import, generate, train with model.path
+        with pytest.raises(CheckpointError) as error:
+            load()
+        assert "incomplete metadata" in str(error.value) and "\n" not in str(error.value), error.value
+    assert not (tmp_path / "imported").exists()
 
 
 def test_non_empty_output_directory_is_refused(checkpoint, tiny_gpt2, tmp_path):

@@ -32,15 +32,27 @@ def test_overrides_are_typed_and_nested():
 
 
 def test_model_config_from_a_file_replaces_the_default(tmp_path):
-    (tmp_path / "g.yaml").write_text("model:\n  arch: gpt2\n  config: {n_layer: 2}\n")
+    (tmp_path / "g.yaml").write_text("model:\n  arch: gpt2\n  config: {n_layer: 2, n_head: 4}\n")
     config = load_config(tmp_path / "g.yaml", ["model.config.n_embd=64"])
-    assert config.model.config == {"n_layer": 2, "n_embd": 64}
+    assert config.model.config == {"n_layer": 2, "n_head": 4, "n_embd": 64}
 
 
 def test_dump_round_trips(tmp_path):
     config = load_config(None, ["train.steps=11"])
     (tmp_path / "c.yaml").write_text(dump_config(config))
     assert load_config(tmp_path / "c.yaml").model_dump(exclude={"name"}) == config.model_dump(exclude={"name"})
+
+
+def test_dump_keeps_what_was_left_unset(tmp_path):
+    """A config written by `slurm submit` (or into a run) loads back as the same run: the default micro batch,
+    above a small global batch, is not refused, and a fine-tuned snapshot does not get the from-scratch sizes."""
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2}')
+    config = load_config(None, [f"model.path={tmp_path / 'gpt2'}", "train.global_batch_size=4"])
+    (tmp_path / "c.yaml").write_text(dump_config(config))
+    again = load_config(tmp_path / "c.yaml")
+    assert again.train.micro_batch_size == 4
+    assert again.model.config_fields == {} and config.model.config_fields == {}
 
 
 @pytest.mark.parametrize(

@@ -84,6 +84,16 @@ def test_worker_processes_serve_the_same_batches(corpus):
     assert state0 == state2
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_bad_record_read_by_a_worker_process_is_its_own_one_line_error(corpus, workers):
+    bad = corpus["root"] / f"bad-{workers}.jsonl"
+    bad.write_text(corpus["a"].read_text().replace("\n", "\n{oops\n", 1))  # line 2 is stream 0's second document
+    with pytest.raises(DataError) as caught:  # the class itself, not torch's wrapper, and the message alone
+        StreamLoader(make_plan(corpus, sources=[{"path": str(bad)}]), 0, 1, workers).next_batch()
+    assert str(caught.value) == (f"{bad}:2: malformed JSON (Expecting property name enclosed in double quotes at "
+                                 "column 2)")
+
+
 def test_no_sample_repeats_within_an_epoch(corpus):
     batches, _ = run(make_plan(corpus), 1, 20)
     origins = [o[1:] for b in batches for o in b["origins"]]
@@ -187,3 +197,13 @@ def test_mismatched_position_and_indivisible_batch_are_user_errors(corpus):
         StreamLoader(make_plan(corpus, seq_len=32), 0, 1).load_state_dict(older)
     with pytest.raises(ConfigError, match="not divisible by the 5 data-parallel ranks"):
         StreamLoader(plan, 0, 5)
+
+
+def test_a_global_batch_too_big_for_a_rank_is_refused_before_its_streams_exist(corpus):
+    data = DataConfig.model_validate({"sources": [{"path": str(corpus["a"])}], "seq_len": 16, "vocab_size": 300,
+                                      "cache_dir": str(corpus["root"] / "cache")})
+    plan = DataPlan(data, load_tokenizer(data), 2**30, seed=5, cache_dir=corpus["root"] / "cache")
+    with pytest.raises(ConfigError, match=r"train.global_batch_size = 1,073,741,824 puts 536,870,912 sequences .* on "
+                                          r"each of the 2 data-parallel ranks; at most 65,536 per rank"):
+        StreamLoader(plan, 0, 2)
+    assert len(StreamLoader(plan, 0, 2**15).stream_ids) == 2**15  # enough ranks: fine

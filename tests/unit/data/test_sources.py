@@ -395,3 +395,14 @@ def test_stdlib_has_documents_and_honours_max_bytes():
     assert not any("/test/" in d.location or "site-packages" in d.location for d in docs)
     everything = open_source(SourceConfig(format="stdlib"), cache_dir=Path("cache"))
     assert len(everything) > 10 * len(source)
+
+
+def test_a_line_index_is_as_readable_as_the_umask_says():
+    write_jsonl([3])
+    previous = os.umask(0o027)
+    try:
+        opened("data/00.jsonl")
+    finally:
+        os.umask(previous)
+    (index,) = Path("cache/index").iterdir()  # written whole, then renamed: no partial file is left beside it
+    assert index.stat().st_mode & 0o777 == 0o640

@@ -10,7 +10,7 @@ import time
 
 from helpers import alive
 
-from clustertrain.dist.spawn import _libc, _rank_setup
+from clustertrain.dist.spawn import _libc, _rank_setup, _wait
 
 LISTEN = "from clustertrain.dist.spawn import listen_early\nwith listen_early() as early: print(early.received)"
 
@@ -38,3 +38,15 @@ def test_a_rank_dies_with_its_launcher():
     while time.monotonic() < deadline and alive(rank):
         time.sleep(0.05)
     assert not alive(rank)
+
+
+def test_the_first_rank_to_fail_decides_and_one_killed_by_a_signal_is_named(capsys):
+    def rank(code: str) -> subprocess.Popen:  # a session of its own, as a real rank; SIGTERM not held: it dies at once
+        return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+
+    sleeper = "import time; time.sleep(60)"
+    assert _wait([rank(sleeper), rank("raise SystemExit(2)")]) == 2  # the other is stopped, its exit not counted
+    assert capsys.readouterr().err == ""  # a rank that exits says why itself
+    assert _wait([rank(sleeper), rank("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")]) == 137
+    assert capsys.readouterr().err == "error: rank 1 was killed by SIGKILL (out of memory? the kernel's OOM killer " \
+                                      "sends it: see `dmesg`)\n"

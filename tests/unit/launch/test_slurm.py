@@ -158,3 +158,23 @@ def test_job_start_counts_restarts_of_the_submission_and_stops_a_loop(tmp_path, 
     assert [e["event"] for e in read_chain(tmp_path)] == ["submitted", "started", "started", "started", "ended"]
     record(tmp_path, "submitted", job_id="9")  # a new submission starts counting again
     assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_JOB_ID": "9"}) == 0
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750), (0o077, 0o700)])
+def test_the_job_script_and_config_copy_are_as_readable_as_the_umask_says(tmp_path, monkeypatch, umask, mode):
+    from clustertrain.launch.jobs import submit
+
+    fake = tmp_path / "bin" / "sbatch"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 4242\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    config = load_config(None, [f"train.run_dir={tmp_path / 'run'}"])
+    previous = os.umask(umask)
+    try:
+        job, script = submit(config, tmp_path, "configs/x.yaml")
+    finally:
+        os.umask(previous)
+    assert job == "4242"
+    assert script.stat().st_mode & 0o777 == mode
+    assert (script.parent / "config.yaml").stat().st_mode & 0o777 == mode & 0o666

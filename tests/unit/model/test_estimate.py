@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -8,12 +9,15 @@ import transformers
 from torch import nn
 
 from clustertrain.model.estimate import (
+    check_memory_floor,
     count_params,
+    device_memory,
     flops_per_token,
     measure_cpu_peak,
     model_flops_per_token,
     peak_flops,
     peak_flops_for_name,
+    training_memory_floor,
 )
 
 
@@ -167,3 +171,37 @@ def test_measure_cpu_peak_positive_finite_and_cached():
 
 def test_peak_flops_unknown_device_type_is_none():
     assert peak_flops(torch.device("meta"), torch.bfloat16) is None
+
+
+def test_memory_floor_counts_weights_activations_and_logits_by_their_sizes():
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(llama_config())
+    params = count_params(model)["total"]
+    floor = training_memory_floor(model, rows=4, seq_len=128, logits_tokens=512, activation_bytes=2, ranks=2)
+    assert floor["weights"][0] == params * 4 / 2
+    assert floor["activations"] == (4 * 128 * 64 * 2 * 2, "train.micro_batch_size 4 x data.seq_len 128 x hidden 64 "
+                                                          "x 2 blocks x 2 bytes")
+    assert floor["logits"][0] == 512 * 256 * 8
+    split = training_memory_floor(model, rows=4, seq_len=128, logits_tokens=512, activation_bytes=2, ranks=2,
+                                  stages=2, tp=2)
+    assert split["activations"][0] == floor["activations"][0] / 4 and split["logits"][0] == floor["logits"][0] / 2
+
+
+def test_a_step_past_the_devices_memory_is_refused_in_one_line_naming_the_sizes():
+    from clustertrain.errors import ConfigError
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(llama_config())
+    cpu = torch.device("cpu")
+    host = device_memory(cpu)
+    seq_len = host // (4 * 64 * 2 * 4) + 1  # activations alone: one token more than the host holds
+    floor = training_memory_floor(model, rows=4, seq_len=seq_len, logits_tokens=4096, activation_bytes=4, ranks=1)
+    with pytest.raises(ConfigError) as refused:
+        check_memory_floor(floor, cpu, "lower train.micro_batch_size or data.seq_len")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert re.fullmatch(r"one training step needs at least [\d,.]+ GiB on each rank, more than the [\d,.]+ GiB of this "
+                        rf"cpu: activations train.micro_batch_size 4 x data.seq_len {seq_len:,} x hidden 64 x 2 blocks "
+                        r"x 4 bytes = [\d,.]+ GiB; lower train.micro_batch_size or data.seq_len", message), message
+    check_memory_floor(training_memory_floor(model, rows=4, seq_len=128, logits_tokens=512, activation_bytes=4,
+                                             ranks=1), cpu, "")

@@ -104,3 +104,20 @@ def test_float16_overflows_are_the_scalers_business():
     steps = NonFiniteSteps("stop", torch.device("cpu"))
     steps.record(1, StepResult(torch.tensor(1.0), torch.tensor(4), torch.tensor(float("inf")), None))
     assert not steps.ended() and steps.skipped() == 0
+
+
+def test_an_allocation_failure_is_one_line_naming_the_sizes():
+    from clustertrain.train.step import OutOfMemory, out_of_memory_named
+
+    cpu_failure = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                               "memory: you tried to allocate 512000000 bytes. Error code 12 (Cannot allocate memory)")
+    for failure in (cpu_failure, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has\n"
+                                                        "a total capacity of 79.1 GiB")):
+        with pytest.raises(OutOfMemory) as caught, out_of_memory_named(4, 100_000):
+            raise failure
+        message = str(caught.value)
+        assert message.startswith("out of memory in a micro-batch of train.micro_batch_size 4 x data.seq_len 100,000 "
+                                  "tokens (") and "allocate" in message and "\n" not in message
+        assert caught.value.exit_code == 2 and caught.value.__suppress_context__
+    with pytest.raises(RuntimeError, match="shape mismatch"), out_of_memory_named(4, 128):
+        raise RuntimeError("shape mismatch")  # not about memory: left as it is
