@@ -1,17 +1,21 @@
-"""Start real clustertrain processes for tests: the CLI, with --nproc or under torchrun."""
+"""Start real clustertrain processes for tests: the CLI, with --nproc or under torchrun; and check how they end."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.status import read_status
 
 # A small model and corpus: fast on 2 cores, still a real Llama on real text.
 TINY = [
@@ -23,7 +27,7 @@ TINY = [
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
     "train.eval_every=0",
-    "train.sample_tokens=0",
+    "train.sample_tokens=4",  # the end-of-run sample, as users get it: short, but through every layout's forward
     "optim.warmup_steps=2",
     "metrics.log_every=1",
     "metrics.progress=lines",
@@ -31,32 +35,137 @@ TINY = [
 ]
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m clustertrain ARGS` and capture its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "clustertrain", *args], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+# Every test process runs on one intra-op thread (conftest.py sets the same for the test process itself): the
+# tiny model gains nothing from more, and threads that spin for cores other tests hold make a run 5x slower.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# The `--nproc` launcher picks a free port for its ranks' store and releases it; another test can take it before
+# rank 0 binds it. Such a run fails at its start, before it writes anything, and is started again.
+PORT_TAKEN = "EADDRINUSE"
+STARTED: list[subprocess.Popen] = []  # by start(); conftest.py kills what a test leaves running
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run `python -m clustertrain ARGS` (in `cwd`) and capture its output. Past `timeout` seconds, the command and
+    every process it started (its `--nproc` ranks and their workers) are killed and the test fails with the output."""
+    for _ in range(3):
+        result = _run_once(["-m", "clustertrain", *args], env, timeout, cwd)
+        if result.returncode == 0 or PORT_TAKEN not in result.stderr:
+            break
+    return result
+
+
+def _run_once(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: Path | None,
+              ) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **ONE_THREAD, **(env or {})}, start_new_session=True, cwd=cwd)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"`clustertrain {' '.join(argv[2:])[:300]}` ran past {timeout} s: killed it and every "
+                             f"process it started\n{stdout[-3000:]}\n{stderr[-5000:]}") from None
+    except BaseException:  # Ctrl-C, pytest-timeout: leave nothing running
+        kill_tree(proc.pid)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: str | None = None,
-          extra_args: tuple[str, ...] = (), expect: int = 0) -> subprocess.CompletedProcess:
-    """Train the tiny model into `run_dir`; fails the test with the output unless the run exits `expect`."""
+          extra_args: tuple[str, ...] = (), expect: int = 0, state: str | None = None) -> subprocess.CompletedProcess:
+    """Train the tiny model into `run_dir`; fails the test with the output unless the run exits `expect` and its
+    status.json says so (see `check_ending`)."""
     args = ["train", *([config] if config else []), *(["--nproc", str(nproc)] if nproc else []), *extra_args]
     args += [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
+    before = read_status(Path(run_dir))
     result = run_cli(*args)
-    assert result.returncode == expect, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    check_ending(Path(run_dir), result, expect, state=state, before=before)
     return result
+
+
+# The state status.json holds after each exit code; exit 0 and exit 2 are worked out in check_ending.
+STATE_AFTER_EXIT = {1: "failed", 3: "failed", 74: "failed", 75: "preempted"}
+
+
+def check_ending(run_dir: Path, result: subprocess.CompletedProcess, expect: int = 0, state: str | None = None,
+                 before: dict | None = None) -> None:
+    """Assert that a run ended as its user would see it: exit code `expect` and status.json in the matching state.
+
+    Exit 0: "finished" at the last step, with the end-of-run sample printed (unless the config turns it off, the
+    run is pipelined or has no tokenizer), or "stopped" when train.stop_after_steps ended it earlier. Exit 2, a
+    user error: status.json as it was `before` (a refused start touches nothing), unless `state` names the state
+    (an error after the start: "failed"). Exit 1, 3 (diverged) and 74 (a failed save): "failed"; 75: "preempted".
+    """
+    output = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == expect, output
+    status = read_status(run_dir)
+    if expect == 2 and state is None:
+        assert status == before, f"a refused start changed status.json: {before} -> {status}\n{output}"
+        return
+    assert status is not None, f"no status.json in {run_dir}\n{output}"
+    if expect != 0:
+        want = state or STATE_AFTER_EXIT.get(expect, "failed")
+        assert status["state"] == want, f"status.json {status}; expected {want!r}\n{output}"
+        return
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    early = config["train"]["stop_after_steps"] is not None and status["step"] < status["total_steps"]
+    want = state or ("stopped" if early else "finished")
+    assert status["state"] == want, f"status.json {status}; expected {want!r}\n{output}"
+    if want == "finished":
+        assert status["step"] == status["total_steps"], status
+        assert "the end-of-run sample failed" not in result.stdout + result.stderr, output
+        tokenizer = config["data"]["mode"] != "random" or config["data"]["tokenizer"]  # random tokens: none to sample
+        if config["train"]["sample_tokens"] and config["parallel"]["pp"] == 1 and tokenizer:
+            assert "\n       sample  " in result.stdout, f"no end-of-run sample\n{output}"
 
 
 def start(run_dir: Path, *overrides: str, nproc: int | None = 2, preexec_fn=None) -> subprocess.Popen:
     """Start training the tiny model in the background, in a session of its own (for signals and kills);
-    `nproc=None` runs one rank without the `--nproc` launcher."""
+    `nproc=None` runs one rank without the `--nproc` launcher. A run the test leaves running is killed after it."""
     args = [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "clustertrain", "train", *(["--nproc", str(nproc)] if nproc else []), *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=preexec_fn,
+        env={**os.environ, **ONE_THREAD},
     )
+    STARTED.append(proc)
+    return proc
+
+
+def kill_started() -> None:
+    """Kill every run start() began that still runs, with all its processes (ranks live in their own sessions)."""
+    while STARTED:
+        proc = STARTED.pop()
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.communicate()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every process below it. The whole tree is read first: a killed parent's children move
+    to another parent."""
+    for p in descendants(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (children, their children, ...), parents first."""
+    tree, by_parent = [pid], _children_by_parent()
+    for p in tree:  # grows while it is walked
+        tree += by_parent.get(p, [])
+    return tree
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    by_parent: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            by_parent.setdefault(ppid, []).append(int(stat.parent.name))
+    return by_parent
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
@@ -85,8 +194,7 @@ def wait_for_saves(run_dir: Path, proc: subprocess.Popen, count: int, timeout: f
 
 def children(pid: int) -> list[int]:
     """The process ids of `pid`'s children."""
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return _children_by_parent().get(pid, [])
 
 
 def alive(pid: int) -> bool:

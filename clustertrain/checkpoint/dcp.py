@@ -31,6 +31,8 @@ from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, agre
 from clustertrain.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
+# Test-only: seconds each rank's shard write sleeps first (see SlowedWriter); never set it in a real run.
+SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"
 
 
 def step_dir_name(step: int) -> str:
@@ -60,7 +62,8 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
     collectives never interleave with training's) the writes go on in the background and a Future is
     returned; otherwise None, when done. An async save stages the shards into host memory before it returns;
     a `writer` made with `cache_staged_state_dict=True` keeps that host copy in pinned memory for every save
-    (a fast device-to-host copy; the writer must be reused).
+    (a fast device-to-host copy; the writer must be reused). Tests only: CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S
+    slows a save made without `writer` (see SlowedWriter).
     """
     tmp = root / f".tmp-{step_dir_name(step)}"
     if dist.get_rank() == 0:
@@ -73,10 +76,27 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
     state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
              "optim": _merge_optim([_rename_optim_state(optim_state, _tied_copies(module))
                                     for (module, _), (_, optim_state) in zip(parts, states)])}
+    if writer is None and os.environ.get(SLOW_WRITE_ENV):
+        writer = SlowedWriter(tmp, float(os.environ[SLOW_WRITE_ENV]))
     if async_group is None:
-        dcp.save(state, checkpoint_id=tmp)
+        dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
         return None
     return dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group)
+
+
+class SlowedWriter(dcp.FileSystemWriter):
+    """Test-only: a FileSystemWriter that sleeps `seconds` before writing a rank's shards, chosen by setting
+    CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S. The sleep runs where the write runs (in the training loop for a
+    sync save, in the background thread for an async one), so a test can see whether training goes on while
+    a save is in flight; it stands in for a slow file system and is never used by a real run."""
+
+    def __init__(self, path: Path, seconds: float):
+        super().__init__(path)
+        self.seconds = seconds
+
+    def write_data(self, plan, planner):
+        time.sleep(self.seconds)
+        return super().write_data(plan, planner)
 
 
 def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Callable[[Path], None]) -> Path:

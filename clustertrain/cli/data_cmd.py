@@ -19,7 +19,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_audit(args: argparse.Namespace) -> int:
     from clustertrain.config.load import load_config
-    from clustertrain.data.audit import audit_report, expected_samples, read_audit
+    from clustertrain.data.audit import audit_report, expected_samples, problem_lines, read_audit
     from clustertrain.errors import UserError
 
     run_dir = Path(args.run_dir)
@@ -39,5 +39,7 @@ def run_audit(args: argparse.Namespace) -> int:
         print(f"repeated {len(report['repeated'])}"
               + (f", skipped {len(report['skipped'])}, unexpected {len(report['unexpected'])}" if expected else ""))
         print("proportions " + ", ".join(f"{k} {v:.3f}" for k, v in report["proportions"].items()))
+        for line in problem_lines(report, recorded, expected):
+            print(line)
     problems = report["repeated"] or report["missing_steps"] or report.get("skipped") or report.get("unexpected")
     return 1 if problems else 0

@@ -107,6 +107,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:
+        """YAML 1.1's base-60 numbers stay text: `time: 1:30:00` is a Slurm time, not the integer 5400."""
+        return self.construct_scalar(node) if ":" in str(node.value) else super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:
+        return self.construct_scalar(node) if ":" in str(node.value) else super().construct_yaml_float(node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+
 
 class DuplicateKey(ValueError):
     """A YAML mapping names one key twice."""
@@ -221,10 +232,14 @@ def _check_model(config: RunConfig) -> list[str]:
     if not_causal:
         return [not_causal]
     base = snapshot or defaults
+    model_type = config.model.config.get("model_type", base.model_type)
+    if model_type != base.model_type:
+        return [f"config error: model.config.model_type = {model_type!r} is not {where}'s {base.model_type!r}; "
+                "drop it or set model.arch to it"]
     known = set(base.to_dict()) | set(dir(base))
     problems = []
-    for key in config.model.config_fields:
-        if key not in known:
+    for key, value in config.model.config_fields.items():
+        if key not in known and not _config_json_key(base, key, value):
             hint = difflib.get_close_matches(key, sorted(k for k in known if not k.startswith("_")), n=1)
             problems.append(
                 f"config error: unknown key 'model.config.{key}' for {base.model_type}"
@@ -234,6 +249,35 @@ def _check_model(config: RunConfig) -> list[str]:
         return problems
     problem = _check_model_values(config, base) or _check_lora_targets(config, base)
     return [problem] if problem else []
+
+
+# Keys that real config.json files carry and the HF config class no longer lists: transformers 4's generic
+# PretrainedConfig arguments (generation defaults, task metadata) and fields that transformers dropped.
+CONFIG_JSON_EXTRAS = frozenset({
+    "torch_dtype", "transformers_version", "architectures", "task_specific_params", "prefix", "finetuning_task",
+    "id2label", "label2id", "num_labels", "problem_type", "tokenizer_class", "max_length", "min_length",
+    "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k",
+    "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "return_dict",
+    "output_hidden_states", "output_attentions", "torchscript", "use_bfloat16", "pruned_heads",
+    "chunk_size_feed_forward", "is_decoder", "cross_attention_hidden_size", "add_cross_attention",
+    "tie_encoder_decoder", "sep_token_id", "decoder_start_token_id",
+    "n_ctx", "activation_dropout", "use_mrope",  # read by no transformers 5 class: GPT-2's, OPT's, Qwen2.5's
+})
+
+
+def _config_json_key(base: Any, key: str, value: Any) -> bool:
+    """Whether `key`, unknown to the HF config class, is still a key of real config.json files: private metadata
+    (`_name_or_path`), a CONFIG_JSON_EXTRAS key, or a legacy name the class reads into another field (transformers
+    5 reads rope_theta and rope_scaling into rope_parameters)."""
+    if key.startswith("_") or key in CONFIG_JSON_EXTRAS:
+        return True
+    try:
+        return key not in type(base)(**{key: value}).to_dict()
+    except Exception:  # noqa: BLE001 - the class refuses the value, so it reads the key: its checks come later
+        return True
 
 
 def _local_snapshot(config: RunConfig) -> Any:

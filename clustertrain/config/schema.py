@@ -6,13 +6,24 @@ Each component receives only its own section. Field descriptions double as the c
 
 from __future__ import annotations
 
+import datetime
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_validator)
 
 from clustertrain.config.secrets import SECRET_NAME
+
+SLURM_TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"  # sbatch --time
+# Time limits, kept as written and read by one parser (parse_slurm_time): slurm.time (a number is minutes, as in
+# sbatch) and train.walltime (a number is seconds).
+SlurmTime = Annotated[str, BeforeValidator(lambda v: slurm_time_text(v, minutes=True)),
+                      AfterValidator(lambda v: _parses(v, parse_slurm_time))]
+Walltime = Annotated[str | float | None, BeforeValidator(lambda v: slurm_time_text(v, minutes=False)),
+                     AfterValidator(lambda v: _parses(v, walltime_seconds))]
 
 
 def _takes_bool(annotation: Any) -> bool:
@@ -84,8 +95,9 @@ class ModelConfig(Section):
     @property
     def config_fields(self) -> dict[str, Any]:
         """The model.config fields a run builds with: for a snapshot only those set, as its config has the rest
-        (the defaults describe the model built from scratch)."""
-        return self.config if not self.pretrained or "config" in self.model_fields_set else {}
+        (the defaults describe the model built from scratch). A config.json's model_type is model.arch's."""
+        fields = self.config if not self.pretrained or "config" in self.model_fields_set else {}
+        return {key: value for key, value in fields.items() if key != "model_type"}
 
 
 class LoraConfig(Section):
@@ -102,7 +114,11 @@ class LoraConfig(Section):
         return self.rank > 0
 
 
-SOURCE_FORMATS = ("auto", "text", "jsonl", "json", "parquet", "arrow", "hf_disk", "hf", "tokens", "stdlib")
+SOURCE_FORMATS = ("auto", "text", "jsonl", "json", "csv", "parquet", "arrow", "hf_disk", "hf", "tokens", "stdlib")
+
+
+# "block" is the older name of "paragraph"
+TextUnit = Annotated[Literal["file", "paragraph", "line"], BeforeValidator(lambda v: "paragraph" if v == "block" else v)]
 
 
 class SourceConfig(Section):
@@ -112,12 +128,14 @@ class SourceConfig(Section):
     split: str = Field("train", description="The dataset split, for hf_name and hf_disk.")
     format: Literal[SOURCE_FORMATS] = Field(  # type: ignore[valid-type]
         "auto",
-        description="auto (from the extension), text, jsonl, json, parquet, arrow, hf_disk (save_to_disk), hf, "
+        description="auto (from the extension), text, jsonl, json, csv (with a header row), parquet, arrow, hf_disk "
+        "(save_to_disk), hf, "
         "tokens (.npy/.bin token ids), stdlib (the running Python's standard library).",
     )
-    field: str = Field("text", description="The record field that holds the text (jsonl, json, parquet, arrow, hf).")
-    text_unit: Literal["file", "block"] = Field(
-        "file", description="For .txt: one document per file, or per blank-line-separated block."
+    field: str = Field("text", description="The record field that holds the text (jsonl, json, csv, parquet, arrow, hf).")
+    text_unit: TextUnit = Field(
+        "file", description="For .txt: one document per file, per blank-line-separated paragraph (also spelled "
+        "block), or per non-blank line (a corpus of one example per line)."
     )
     token_dtype: Literal["uint16", "uint32"] = Field("uint16", description="Element type of .bin token files.")
     weight: float = Field(1.0, gt=0, allow_inf_nan=False, description="Mixture weight (normalized over the sources).")
@@ -148,7 +166,11 @@ class DataConfig(Section):
     mode: Literal["pretrain", "sft", "random"] = Field(
         "pretrain",
         description="pretrain: documents joined with EOS and packed; sft: prompt/response records, loss on "
-        "responses only; random: random token ids, no sources (pipeline checks).",
+        "responses only (see loss_on); random: random token ids, no sources (pipeline checks).",
+    )
+    loss_on: Literal["completion", "all"] = Field(
+        "completion", description="sft: loss on the responses only (completion), or on every token of an example "
+        "(all), as TRL does for a plain text field.",
     )
     sources: list[SourceConfig] = Field(
         default_factory=lambda: [SourceConfig(format="stdlib", max_bytes=4_000_000)], min_length=1,
@@ -175,6 +197,10 @@ class DataConfig(Section):
     )
     vocab_size: int = Field(4096, ge=300, description="Vocabulary size of a tokenizer trained locally.")
     eval_fraction: float = Field(0.01, ge=0, lt=0.5, description="Share of each source's documents held out.")
+    eval_sources: list[SourceConfig] | None = Field(
+        None, min_length=1, description="A separate held-out set, read whole by evaluation (entries as in sources); "
+        "data.sources are then not split, and eval_fraction is not used.",
+    )
     cache_dir: str | None = Field(None, description="Tokenizer and index caches; default ~/.cache/clustertrain.")
 
 
@@ -248,10 +274,20 @@ class TrainConfig(Section):
     run_dir: str | None = Field(None, description="Run directory; default runs/<config name>.")
     steps: int | None = Field(300, gt=0, description="Optimizer steps; or set `tokens`.")
     tokens: int | None = Field(None, gt=0, description="Token budget; overrides `steps` when set.")
+    epochs: float | None = Field(
+        None, gt=0, allow_inf_nan=False, description="Passes over the training data; overrides `steps` when set. One "
+        "epoch is the fewest sequences any row of the global batch gets from one pass over its documents (every source "
+        "once), counted by tokenizing the training data at start: for data sets that fit a fine-tuning run.",
+    )
     global_batch_size: int = Field(16, gt=0, description="Sequences per optimizer step, whatever the rank count.")
     micro_batch_size: int = Field(
         8, gt=0, description="Sequences per forward/backward on one rank, at most; capped at a rank's share of "
         "global_batch_size (the start line says so), so that a run resumes on more ranks.",
+    )
+    grad_accum: int | None = Field(
+        None, gt=0, description="Instead of global_batch_size, the HF/DeepSpeed way: micro-batches per rank per step, so "
+        "global_batch_size = micro_batch_size x grad_accum x data-parallel ranks, which fits any node count (a resume "
+        "needs the same global batch, so the same rank count).",
     )
     seed: int = Field(1234, description="Seeds the initial weights and the data order (same on any rank count).")
     resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
@@ -261,9 +297,9 @@ class TrainConfig(Section):
     stop_after_steps: int | None = Field(
         None, gt=0, description="End this run after this many steps (with a checkpoint); the schedule is unchanged."
     )
-    walltime: str | float | None = Field(
-        None, description="This job's time limit (seconds or HH:MM:SS, as Slurm's --time): save and exit for requeue "
-        "walltime_margin before it."
+    walltime: Walltime = Field(
+        None, description="This job's time limit: save and exit for requeue walltime_margin before it. A number is "
+        f"seconds; text is a Slurm time, as sbatch --time takes it ({SLURM_TIME_FORMS}; a bare \"90\" is 90 minutes)."
     )
     walltime_margin: float = Field(300, ge=0, description="Seconds before train.walltime to save and stop.")
     on_nan: Literal["stop", "skip"] = Field(
@@ -273,12 +309,13 @@ class TrainConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _walltime_parses(self) -> TrainConfig:
-        try:
-            parse_duration(self.walltime)
-        except ValueError:
-            raise ValueError(f"train.walltime {self.walltime!r} is not seconds or [D-]HH:MM:SS") from None
-        if "micro_batch_size" in self.model_fields_set and self.micro_batch_size > self.global_batch_size:
+    def _batch_fits(self) -> TrainConfig:
+        if self.epochs is not None and self.tokens is not None:
+            raise ValueError("set train.tokens or train.epochs, not both")
+        if self.grad_accum is not None and "global_batch_size" in self.model_fields_set:
+            raise ValueError("set train.global_batch_size or train.grad_accum (with micro_batch_size), not both")
+        if self.grad_accum is None and "micro_batch_size" in self.model_fields_set and \
+                self.micro_batch_size > self.global_batch_size:
             raise ValueError(f"micro_batch_size = {self.micro_batch_size} is larger than global_batch_size = "
                              f"{self.global_batch_size}, the most any rank can get per step")
         return self
@@ -341,7 +378,10 @@ class SlurmConfig(Section):
         None, gt=0, description="Ranks per node; default: one per GPU, or 1 on CPU-only nodes."
     )
     cpus_per_task: int | None = Field(None, gt=0, description="CPU cores per rank; default: the preset's.")
-    time: str = Field("01:00:00", description="Time limit of each job (minutes, or [D-]HH:MM:SS), as sbatch --time.")
+    time: SlurmTime = Field(
+        "01:00:00", description=f"Time limit of each job, as sbatch --time takes it: {SLURM_TIME_FORMS} (a bare "
+        "number is minutes), or UNLIMITED."
+    )
     job_name: str | None = Field(None, description="Job name; default: the run name.")
     output: str | None = Field(None, description="Job log path (%j = job id); default <run_dir>/slurm/%j.out.")
     signal_before: int = Field(
@@ -369,17 +409,6 @@ class SlurmConfig(Section):
         default_factory=dict, description="More sbatch options, e.g. {constraint: nvme, mail-type: END}."
     )
     python: str | None = Field(None, description="Python that runs clustertrain on the nodes; default: the one rendering.")
-
-    @field_validator("time", mode="before")
-    @classmethod
-    def _minutes(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
-
-    @field_validator("time")
-    @classmethod
-    def _slurm_time(cls, value: str) -> str:
-        parse_slurm_time(value)
-        return value
 
     @model_validator(mode="after")
     def _checks(self) -> SlurmConfig:
@@ -411,29 +440,49 @@ class SlurmConfig(Section):
 
 
 def parse_slurm_time(value: str) -> float:
-    """Seconds from sbatch's --time forms: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
-    m = re.fullmatch(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", str(value).strip())
-    if not m:
-        raise ValueError(f"time {value!r} is not a Slurm time such as 02:00:00, 90 or 1-00:00:00")
-    days, a, b, c = (int(x) if x else None for x in m.groups())
-    if days is not None:  # D-HH[:MM[:SS]]
-        return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
-    if c is not None:  # HH:MM:SS
-        return a * 3600 + b * 60 + c
-    return a * 60 + (b or 0)  # MM[:SS]
+    """Seconds in a Slurm time limit, by sbatch --time's rule: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+
+    A bare number is minutes, and the leading field takes any size ("90" is 90 minutes, "36:00:00" a day and a
+    half), as Slurm's own parser does. UNLIMITED or INFINITE (any case), and a limit of zero, mean no limit:
+    math.inf. Anything else raises a one-line ValueError.
+    """
+    text = str(value)
+    if text.upper() in ("UNLIMITED", "INFINITE"):
+        return math.inf
+    if m := re.fullmatch(r"([0-9]+)-([0-9]+)(?::([0-9]+))?(?::([0-9]+))?", text):
+        days, hours, minutes, seconds = (int(x or 0) for x in m.groups())
+    elif m := re.fullmatch(r"([0-9]+)(?::([0-9]+))?(?::([0-9]+))?", text):
+        first, second, third = (int(x) if x else None for x in m.groups())
+        days, hours, minutes, seconds = (0, first, second, third) if third is not None else (0, 0, first, second or 0)
+    else:
+        raise ValueError(f"not a Slurm time: use {SLURM_TIME_FORMS} (e.g. 90, 02:00:00, 1-12), or UNLIMITED")
+    total = days * 86400 + hours * 3600 + minutes * 60 + seconds
+    return float(total) if total else math.inf
 
 
-def parse_duration(value: str | float | None) -> float | None:
-    """Seconds from a number, or from Slurm's D-HH:MM:SS / HH:MM:SS / MM:SS forms."""
-    if value is None or isinstance(value, (int, float)):
-        return value
-    days, _, clock = value.rpartition("-")
-    seconds = 0.0
-    for part in clock.split(":"):
-        seconds = seconds * 60 + float(part)
-    if clock.count(":") == 1 and days:  # D-HH:MM
-        seconds *= 60
-    return seconds + (int(days) * 86400 if days else 0)
+def walltime_seconds(value: str | float | None) -> float | None:
+    """train.walltime in seconds: a number is seconds, text a Slurm time (parse_slurm_time); None: no limit."""
+    if value is None or isinstance(value, str):
+        return None if value is None else parse_slurm_time(value)
+    if math.isnan(value) or value < 0:
+        raise ValueError("not a time limit: give seconds (at least 0) or a Slurm time such as 02:00:00")
+    return float(value)
+
+
+def _parses(value: Any, parse: Any) -> Any:
+    parse(value)  # a one-line ValueError if it does not
+    return value
+
+
+def slurm_time_text(value: Any, minutes: bool) -> Any:
+    """A time limit as its text, the way Slurm reads it. YAML reads 1:30 as 90 and TOML 02:00:00 as a time of
+    day (the config loader keeps YAML's base-60 numbers as text); a number is minutes if `minutes`, as in
+    sbatch --time, else it stays a number (seconds)."""
+    if isinstance(value, datetime.time):
+        return value.isoformat()
+    if minutes and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return value
 
 
 class RunConfig(Section):
@@ -451,7 +500,7 @@ class RunConfig(Section):
     @property
     def walltime_s(self) -> float | None:
         """train.walltime in seconds."""
-        return parse_duration(self.train.walltime)
+        return walltime_seconds(self.train.walltime)
 
     @property
     def run_dir(self) -> Path:

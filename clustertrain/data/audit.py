@@ -9,7 +9,7 @@ order from the run's config and lists samples the run repeated or skipped.
 from __future__ import annotations
 
 import json
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,32 @@ def audit_report(recorded: dict[int, list[tuple]], expected: dict[int, list[tupl
         report["skipped"] = sorted((want - seen).elements())
         report["unexpected"] = sorted((seen - want).elements())
     return report
+
+
+def problem_lines(report: dict[str, Any], recorded: dict[int, list[tuple]],
+                  expected: dict[int, list[tuple]] | None, limit: int = 20) -> list[str]:
+    """The problems of `report` for people: the missing steps, then a line per repeated, skipped or unexpected
+    sample (at most `limit` of each kind) naming it and the steps it was recorded at, or was due at."""
+    lines = []
+    if report["missing_steps"]:
+        lines.append("missing steps: " + ", ".join(map(str, report["missing_steps"])))
+    kinds = [("repeated", report["repeated"], recorded, "recorded at"),
+             ("skipped", report.get("skipped", []), expected or {}, "due at"),
+             ("unexpected", report.get("unexpected", []), recorded, "recorded at")]
+    for kind, samples, steps, where in kinds:
+        steps_of = defaultdict(list)
+        for step, step_samples in sorted(steps.items()):
+            for sample in step_samples:
+                steps_of[sample].append(step)
+        distinct = sorted(set(samples))
+        for sample in distinct[:limit]:
+            source, document, offset, epoch = sample
+            at = steps_of[sample]
+            lines.append(f"{kind}: {source} document {document} at token {offset} (epoch {epoch}), {where} "
+                         f"step{'s' if len(at) > 1 else ''} {', '.join(map(str, at))}")
+        if len(distinct) > limit:
+            lines.append(f"{kind}: {len(distinct) - limit} more (--json lists them all)")
+    return lines
 
 
 def expected_samples(config, steps: int) -> dict[int, list[tuple]]:

@@ -34,13 +34,15 @@ Encoder = Callable[[list[Document]], list[Encoded | None]]  # None: a bad record
 
 
 class DocumentOrder:
-    """The documents of `source[lo:hi]` in this stream's order (rotated by `rotate` when the slice is shared)."""
+    """The documents of `source[lo:hi]` in this stream's order (rotated by `rotate`, and starting `phase` into the
+    first document, when streams share the slice)."""
 
     def __init__(self, source: Source, lo: int, hi: int, rotate: int, buffer: int, key: tuple[int, ...],
-                 encode: Encoder):
+                 encode: Encoder, phase: float = 0.0):
         if hi <= lo:
             raise DataError(f"data source {source.label!r} has no documents to read")
         self.source, self.lo, self.length, self.rotate = source, lo, hi - lo, rotate
+        self.phase = phase  # where in its first document a stream sharing the slice starts, as a fraction
         self.buffer, self.key, self.encode = buffer, key, encode
         self._window: tuple[int, dict[int, Encoded | None]] | None = None
         self._shuffle: tuple[int, int, np.ndarray] | None = None  # (epoch, window, permutation)
@@ -161,6 +163,8 @@ class Packer:
         origin = None
         while have < need:
             slot, index, encoded = self._current()
+            if self.cursor.count == 0 and self.offset == 0:  # the stream's first window
+                self.offset = int((len(encoded.ids) - 1) * self.cursor.orders[slot].phase)
             if origin is None:
                 origin = (slot, index, self.offset, self.cursor.current_epoch())
             take = np.asarray(encoded.ids[self.offset : self.offset + need - have], dtype=np.int64)

@@ -135,7 +135,11 @@ class DataPlan:
         self.names = [f"{s.label!r} ({w})" if w else repr(s.label) for s, w in zip(data.sources, where)]  # in messages
         self.weights = tuple(s.weight for s in data.sources)
         self.sources = [] if data.mode == "random" else [self._open(s, cache_dir) for s in data.sources]
+        self.eval_fraction = 0.0 if data.eval_sources else data.eval_fraction
         self.ranges = [self._split(len(src)) for src in self.sources]
+        self.eval_plan = DataPlan(data.model_copy(update={"sources": data.eval_sources, "eval_sources": None, "eval_fraction": 0.0}),
+                                  tokenizer, num_streams, seed, cache_dir) if data.eval_sources else None
+        self.notes = self._notes()  # said once at start
         self._long: OrderedDict[tuple[int, int], Encoded] = OrderedDict()  # (source, document) -> its encoding
 
     def _open(self, source: SourceConfig, cache_dir: Path):
@@ -145,10 +149,27 @@ class DataPlan:
         return open_source(source, on_bad_data=self.data.on_bad_data, cache_dir=cache_dir)
 
     def _split(self, n: int) -> dict[str, tuple[int, int]]:
-        held_out = round(n * self.data.eval_fraction) if n > 1 else 0
-        if self.data.eval_fraction > 0 and n > 1:
+        held_out = round(n * self.eval_fraction) if n > 1 else 0
+        if self.eval_fraction > 0 and n > 1:
             held_out = max(1, held_out)
         return {"train": (0, n - held_out), "eval": (n - held_out, n)}
+
+    def _notes(self) -> list[str]:
+        """What a user should know of sources too small for the batch or for a held-out split."""
+        notes, k = [], self.num_streams
+        for name, ranges in zip(self.names, self.ranges):
+            n = ranges["train"][1] - ranges["train"][0]
+            if n < k and self.data.mode == "sft":
+                notes.append(f"data source {name}: {n} training example(s) for the {k} rows of a global batch, so "
+                             "rows repeat examples; more examples give more variety")
+            elif n < k:
+                how = " (a .txt corpus of one document per line: set text_unit: line)" if n == 1 else ""
+                notes.append(f"data source {name}: {n} training document(s) for the {k} rows of a global batch: each "
+                             f"row starts at another point of them, so no two rows are the same{how}")
+            if self.eval_fraction > 0 and ranges["eval"][0] == ranges["eval"][1]:
+                notes.append(f"data source {name}: one document is too few to hold out data.eval_fraction = "
+                             f"{self.data.eval_fraction} of it, so there is no evaluation; split it into more documents")
+        return notes
 
     def spec(self) -> dict[str, Any]:
         """What the data position depends on, by the keys a user sets (as JSON): resuming over other data is refused."""
@@ -156,6 +177,7 @@ class DataPlan:
         spec = {"data.sources": [s.model_dump() for s in d.sources], "data.mode": d.mode, "data.mix_by": d.mix_by,
                 "data.seq_len": d.seq_len, "data.shuffle_buffer": d.shuffle_buffer,
                 "data.seed (train.seed if unset)": self.seed,
+                "data.eval_fraction (0 with data.eval_sources)": self.eval_fraction,
                 "documents in data.sources": [len(s) for s in self.sources]}
         return json.loads(json.dumps(spec, default=str))
 
@@ -164,7 +186,13 @@ class DataPlan:
         return hashlib.sha256(json.dumps(list(self.spec().values()), sort_keys=True).encode()).hexdigest()[:16]
 
     def has_eval(self) -> bool:
+        if self.eval_plan is not None:
+            return True
         return self.data.mode == "random" or all(hi > lo for lo, hi in (r["eval"] for r in self.ranges))
+
+    def for_split(self, split: str) -> tuple[DataPlan, str]:
+        """The plan and its split that `split` reads: data.eval_sources, whole, for "eval" when they are set."""
+        return (self.eval_plan, "train") if split == "eval" and self.eval_plan is not None else (self, split)
 
     def stream(self, s: int, split: str, state: dict[str, Any] | None = None):
         """Stream `s` over the `split` ("train" or "eval") slice of every source, at `state` if given."""
@@ -187,14 +215,38 @@ class DataPlan:
             stream.load_state_dict(state)
         return stream
 
+    def sequences_per_epoch(self, streams: list[int]) -> int:
+        """The fewest training sequences any of `streams` gets from one pass over its documents of every source
+        (a mixture's sources counted by their documents, not their weights): the steps of one epoch. Tokenizes
+        each stream's documents once."""
+        if self.data.mode == "random":
+            raise DataError("train.epochs counts passes over data.sources; data.mode: random has none (set train.steps)")
+        return min(sum(self._pass_length(i, s) for i in range(len(self.sources))) for s in streams)
+
+    def _pass_length(self, i: int, s: int) -> int:
+        """Sequences that stream `s` makes of its documents of source `i` before it starts on them again."""
+        key = (self.seed, s, 0)
+        order = self._order(i, s, "train", self.data.shuffle_buffer, key)
+        packer = Packer(Cursor([order], (1.0,), (*key, 7)), self.data.seq_len, self._pad_id(),
+                        self.data.mode == "sft", self.data.on_bad_data, self.names)
+        count = 0
+        while True:
+            packer.next()
+            epoch, pos = packer.cursor.positions[0]
+            if epoch > 1 or (epoch == 1 and (pos or packer.offset)):  # this sequence began the next pass
+                return count
+            count += 1
+            if epoch == 1:
+                return count
+
     def _order(self, i: int, s: int, split: str, buffer: int, key: tuple[int, ...]) -> DocumentOrder:
         lo, hi = self.ranges[i][split]
         n, k = hi - lo, self.num_streams
         if n >= k:  # disjoint contiguous slices, one per stream
-            lo, hi, rotate = lo + s * n // k, lo + (s + 1) * n // k, 0
-        else:  # too few documents to slice: every stream walks them all, from its own starting point
-            rotate = s % max(n, 1)
-        return DocumentOrder(self.sources[i], lo, hi, rotate, buffer, (*key, i), self._encoder(i))
+            lo, hi, rotate, phase = lo + s * n // k, lo + (s + 1) * n // k, 0, 0.0
+        else:  # too few documents to slice: every stream walks them all, from its own document and point in it
+            rotate, phase = s % max(n, 1), (s // max(n, 1)) / -(-k // max(n, 1))
+        return DocumentOrder(self.sources[i], lo, hi, rotate, buffer, (*key, i), self._encoder(i), phase)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer
@@ -210,7 +262,7 @@ class DataPlan:
             def encode_sft(docs: list[Document]) -> list[Encoded | None]:
                 def one(d: Document) -> Encoded:
                     ex = render_example(d.record, tokenizer, field=source.field, location=d.location)
-                    return Encoded(ex.input_ids, ex.loss_mask)
+                    return Encoded(ex.input_ids, ex.loss_mask if data.loss_on == "completion" else None)
 
                 return [self._guard(one, d) for d in docs]
 

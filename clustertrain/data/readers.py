@@ -8,6 +8,7 @@ their row counts in their own metadata; `datasets` directories are memory-mapped
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
@@ -64,9 +65,12 @@ def open_files(fmt: str, files: list[Path], *, text_unit: str, cache_dir: Path, 
         if _empty_on_disk(path, bad):
             continue
         if fmt in ("jsonl", "text"):
-            shard: Shard | None = LineRecords(path, blocks=fmt == "text", cache_dir=cache_dir, bad=bad)
+            unit = text_unit if fmt == "text" else "json"
+            shard: Shard | None = LineRecords(path, unit=unit, cache_dir=cache_dir, bad=bad)
         elif fmt == "json":
             shard = JsonFile.open(path, bad)
+        elif fmt == "csv":
+            shard = CsvRecords.open(path, cache_dir=cache_dir, bad=bad)
         elif fmt == "parquet":
             shard = ParquetFile.open(path, bad)
         elif fmt == "arrow":
@@ -145,30 +149,26 @@ def _json_limit(error: Exception) -> str:
     return _first_line(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
 
 
-# Line-based files: jsonl (a record per non-blank line) and text blocks (a record per run of non-blank lines).
+# Line-based files: jsonl and text lines (a record per non-blank line), text paragraphs (a record per run of
+# non-blank lines).
 
 
-def scan_records(path: Path, blocks: bool) -> tuple[int, np.ndarray]:
-    """Count the records of a line-based file; note (byte offset, line number) of every INDEX_EVERY-th."""
+def scan_records(path: Path, kind: str) -> tuple[int, np.ndarray]:
+    """Count the records of a line-based file of `kind` (see `_records`); note (byte offset, line number) of
+    every INDEX_EVERY-th."""
     marks: list[tuple[int, int]] = []
-    count = offset = 0
-    previous_blank = True
+    count = 0
     with open(path, "rb") as f:
-        for line_no, line in enumerate(f, 1):
-            blank = not line.strip()
-            if not blank and (previous_blank or not blocks):
-                if count % INDEX_EVERY == 0:
-                    marks.append((offset, line_no))
-                count += 1
-            previous_blank = blank
-            offset += len(line)
+        for line_no, offset, _ in _records(f, 0, 1, kind):
+            if count % INDEX_EVERY == 0:
+                marks.append((offset, line_no))
+            count += 1
     return count, np.array(marks, dtype=np.int64).reshape(-1, 2)
 
 
-def load_index(path: Path, blocks: bool, cache_dir: Path) -> tuple[int, np.ndarray]:
+def load_index(path: Path, kind: str, cache_dir: Path) -> tuple[int, np.ndarray]:
     """`scan_records` of `path`, from cache_dir/index/ when this path, size and mtime were scanned before."""
     stat = path.stat()
-    kind = "blocks" if blocks else "lines"
     key = f"{kind}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{INDEX_EVERY}"
     file = cache_dir / "index" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.npz"
     try:
@@ -176,7 +176,7 @@ def load_index(path: Path, blocks: bool, cache_dir: Path) -> tuple[int, np.ndarr
             return int(saved["count"]), saved["marks"]
     except (OSError, KeyError, ValueError, zipfile.BadZipFile):
         pass
-    count, marks = scan_records(path, blocks)
+    count, marks = scan_records(path, kind)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         part = file.with_name(f".{file.name}.{uuid.uuid4().hex}")  # by open(): as readable as the umask says
@@ -188,40 +188,47 @@ def load_index(path: Path, blocks: bool, cache_dir: Path) -> tuple[int, np.ndarr
     return count, marks
 
 
-def _records(f, offset: int, line_no: int, blocks: bool) -> Iterator[tuple[int, int, bytes]]:
-    """(first line number, byte offset, bytes) of each record from the current position, a record start."""
-    block: list[bytes] = []
-    first_line = first_offset = 0
+def _records(f, offset: int, line_no: int, kind: str) -> Iterator[tuple[int, int, bytes]]:
+    """(first line number, byte offset, bytes) of each record from the current position, a record start: a
+    non-blank line (`lines`), a run of non-blank lines (`blocks`), or a CSV row, whose quoted fields may hold
+    line breaks (`csv`: lines until an even number of quotes, as doubled quotes keep the parity)."""
+    record: list[bytes] = []
+    first_line = first_offset = quotes = 0
     for line in f:
-        if line.strip():
-            if not blocks:
-                yield line_no, offset, line
-            elif not block:
-                block, first_line, first_offset = [line], line_no, offset
-            else:
-                block.append(line)
-        elif block:
-            yield first_line, first_offset, b"".join(block)
-            block = []
+        if kind == "csv" and record:  # an open quoted field: the row goes on, blank lines included
+            record.append(line)
+        elif line.strip():
+            if not record:
+                first_line, first_offset = line_no, offset
+            record.append(line)
+        elif record:  # a blank line ends a block
+            yield first_line, first_offset, b"".join(record)
+            record = []
+        quotes += line.count(b'"') if record and kind == "csv" else 0
+        if record and kind != "blocks" and not quotes % 2:
+            yield first_line, first_offset, b"".join(record)
+            record, quotes = [], 0
         offset += len(line)
         line_no += 1
-    if block:
-        yield first_line, first_offset, b"".join(block)
+    if record:
+        yield first_line, first_offset, b"".join(record)
 
 
 class LineRecords:
-    """A jsonl file or a text file of blank-line-separated blocks, read through its sparse index."""
+    """A line-based file read through its sparse index: a JSON object per line (`unit="json"`, jsonl), or text
+    with a document per blank-line-separated paragraph or per line."""
 
-    def __init__(self, path: Path, *, blocks: bool, cache_dir: Path, bad: BadData) -> None:
-        self.path, self.blocks, self.bad = path, blocks, bad
-        self.count, self.marks = load_index(path, blocks, cache_dir)
+    def __init__(self, path: Path, *, unit: str, cache_dir: Path, bad: BadData) -> None:
+        self.path, self.unit, self.bad = path, unit, bad
+        self.kind = "blocks" if unit == "paragraph" else "lines"
+        self.count, self.marks = load_index(path, self.kind, cache_dir)
 
     def read(self, start: int, stop: int) -> Iterator[Row]:
         offset, line_no = (int(x) for x in self.marks[start // INDEX_EVERY])
         index = start - start % INDEX_EVERY
         with open(self.path, "rb") as f:
             f.seek(offset)
-            for first_line, first_offset, raw in _records(f, offset, line_no, self.blocks):
+            for first_line, first_offset, raw in _records(f, offset, line_no, self.kind):
                 if index >= stop:
                     return
                 if index >= start:
@@ -235,9 +242,61 @@ class LineRecords:
         text = decode(raw, offset, location, self.bad)
         if text is None:
             return None
-        if self.blocks:
-            return {"text": text.rstrip("\r\n")}
-        return parse_object(text, location, self.bad)
+        if self.unit == "json":
+            return parse_object(text, location, self.bad)
+        return {"text": text.rstrip("\r\n")}
+
+
+class CsvRecords:
+    """A CSV file whose first row names the columns: a record per later row, read through its sparse index."""
+
+    def __init__(self, path: Path, header: list[str], count: int, marks: np.ndarray, bad: BadData) -> None:
+        self.path, self.header, self.count, self.marks, self.bad = path, header, count, marks, bad
+
+    @classmethod
+    def open(cls, path: Path, *, cache_dir: Path, bad: BadData) -> CsvRecords | None:
+        count, marks = load_index(path, "csv", cache_dir)
+        with open(path, "rb") as f:
+            first = next(_records(f, 0, 1, "csv"), None)
+        text = None if first is None else decode(first[2], 0, f"{path}:1", bad)
+        if text is None:
+            return None
+        header = _csv_row(text, f"{path}:1", bad)
+        if header is None:
+            return None
+        if len(set(header)) < len(header) or not all(header):
+            bad.report("bad CSV header", f"{path}:1: the header row names columns {header}: each must be named once")
+            return None
+        return cls(path, header, count - 1, marks, bad)
+
+    def read(self, start: int, stop: int) -> Iterator[Row]:
+        first = start + 1  # the index counts the header row
+        offset, line_no = (int(x) for x in self.marks[first // INDEX_EVERY])
+        index = first - first % INDEX_EVERY - 1
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            for first_line, first_offset, raw in _records(f, offset, line_no, "csv"):
+                if index >= stop:
+                    return
+                if index >= start:
+                    location = f"{self.path}:{first_line}"
+                    text = decode(raw, first_offset, location, self.bad)
+                    row = None if text is None else _csv_row(text, location, self.bad)
+                    if row is not None and len(row) != len(self.header):
+                        self.bad.report("bad CSV row", f"{location}: {len(row)} fields, but the header names "
+                                                       f"{len(self.header)} ({', '.join(self.header)})")
+                    elif row is not None:
+                        yield index, dict(zip(self.header, row)), location
+                index += 1
+
+
+def _csv_row(text: str, location: str, bad: BadData) -> list[str] | None:
+    """The fields of one CSV row, or None after reporting why it is not one."""
+    try:
+        return next(csv.reader([text.rstrip("\r\n")], strict=True), [])
+    except csv.Error as e:  # a quoted field never closed, a quote inside an unquoted one
+        bad.report("bad CSV row", f"{location}: not a CSV row ({e})")
+        return None
 
 
 class TextFiles:

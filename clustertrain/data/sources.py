@@ -39,6 +39,7 @@ EXTENSIONS = {
     ".jsonl": "jsonl",
     ".ndjson": "jsonl",
     ".json": "json",
+    ".csv": "csv",
     ".parquet": "parquet",
     ".arrow": "arrow",
     ".npy": "tokens",

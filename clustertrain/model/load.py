@@ -41,7 +41,7 @@ def build_hf_config(
         if tokenizer is not None and len(tokenizer) > config.vocab_size:
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but {snapshot} only {config.vocab_size}")
         return config
-    fields = dict(model.config)
+    fields = dict(model.config_fields)
     needed = len(tokenizer) if tokenizer is not None else vocab_size
     fields.setdefault("vocab_size", needed)
     if fields["vocab_size"] < needed:

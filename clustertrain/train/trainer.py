@@ -90,10 +90,11 @@ class Trainer:
         self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
         torch.manual_seed(cfg.train.seed + dist.get_rank())
         self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
-        self.profiler = StepProfiler(cfg.metrics.profile, total_steps(cfg), self.run_dir / "profile", self.device,
-                                     dist.get_rank(), log=lambda line: self.logger.info(line))
+        resolve_global_batch(cfg, self.mesh.dp_size)
 
         self.snapshot = snapshot_dir(cfg.model)
+        if cfg.model.path:  # absolute in the run's config.yaml, so adapters exported from it load from anywhere
+            cfg.model.path = str(Path(cfg.model.path).resolve())
         if self.snapshot is not None and not cfg.data.tokenizer:
             cfg.data.tokenizer = str(self.snapshot)  # fine-tuning: the model's own tokenizer
         self.tokenizer = rank0_first(lambda: load_tokenizer(cfg.data))
@@ -102,6 +103,9 @@ class Trainer:
             cfg.data, self.tokenizer, cfg.train.global_batch_size, self.data_seed, cache_root(cfg.data)
         ))  # rank 0 first: it writes the source indexes the others then read
         self.loader = self._loader("train")
+        self.epoch_steps = self._resolve_epochs()
+        self.profiler = StepProfiler(cfg.metrics.profile, total_steps(cfg), self.run_dir / "profile", self.device,
+                                     dist.get_rank(), log=lambda line: self.logger.info(line))
         if cfg.parallel.pp > 1:
             self.microbatches = pipeline_microbatches(cfg, self.mesh.dp_size)
             self.micro_batch_size = cfg.train.global_batch_size // self.mesh.dp_size // self.microbatches
@@ -140,6 +144,18 @@ class Trainer:
         self.total_steps = total_steps(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])
+
+    def _resolve_epochs(self) -> int | None:
+        """train.epochs given: set train.steps to that many passes over the training data; the steps of one."""
+        train = self.config.train
+        if train.epochs is None:
+            return None
+        if self.rank0:
+            print(f"train.epochs = {train.epochs:g}: counting the sequences of one pass over the data", flush=True)
+        mine = self.plan.sequences_per_epoch(self.loader.stream_ids)
+        per_epoch = int(reduce_values([mine], op="min")[0])
+        train.steps = max(1, math.floor(train.epochs * per_epoch))
+        return per_epoch
 
     def _check_memory(self, meta: torch.nn.Module) -> None:
         """Refuse sizes that cannot fit (a huge batch, sequence or vocabulary) before any of them is allocated."""
@@ -195,7 +211,8 @@ class Trainer:
 
     def _loader(self, split: str) -> StreamLoader:
         workers = self.config.data.num_workers if split == "train" else 0
-        return StreamLoader(self.plan, self.mesh.dp_rank, self.mesh.dp_size, workers, split)
+        plan, part = self.plan.for_split(split)
+        return StreamLoader(plan, self.mesh.dp_rank, self.mesh.dp_size, workers, part)
 
     # ---- loop --------------------------------------------------------------------------------
     def run(self) -> RunSummary:
@@ -545,11 +562,12 @@ class Trainer:
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "
             f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}"
             f"{capped}); "
-            f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens; "
+            f"{self.total_steps} steps = {self.total_steps * self.tokens_per_step / 1e6:.2f}M tokens"
+            f"{f' ({cfg.train.epochs:g} epochs of {self.epoch_steps} steps)' if self.epoch_steps else ''}; "
             f"AdamW {'fused' if self.optimizer.param_groups[0].get('fused') else 'foreach'}, "
             f"{self.attention} attention, {self.loss_kind} loss"
         )
-        for note in self.kernel_notes:
+        for note in [*self.kernel_notes, *self.plan.notes]:
             self.logger.info(note)
         if resumed:
             self.logger.info(f"resuming from {resumed} at step {self.step}")
@@ -577,6 +595,15 @@ def total_steps(cfg: RunConfig) -> int:
     if cfg.train.steps is None:
         raise ConfigError("train: set train.steps or train.tokens")
     return cfg.train.steps
+
+
+def resolve_global_batch(cfg: RunConfig, dp_size: int) -> None:
+    """train.grad_accum given: set train.global_batch_size to micro_batch_size x grad_accum x `dp_size` (the run's
+    config.yaml then holds that global batch, which a resume needs)."""
+    if cfg.train.grad_accum is not None:
+        global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * dp_size
+        cfg.train.grad_accum = None
+        cfg.train.global_batch_size = global_batch
 
 
 def micro_batch_size(cfg: RunConfig, dp_size: int) -> int:

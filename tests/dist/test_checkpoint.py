@@ -11,9 +11,11 @@ import time
 
 import pytest
 import torch
-from helpers import children, final_weights, losses, start, train, wait_for_saves, wait_for_step
+from helpers import alive, children, final_weights, grad_norms, losses, start, train, wait_for_saves, wait_for_step
 
+from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
+from clustertrain.train.metrics import read_jsonl
 from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
 
 pytestmark = pytest.mark.dist
@@ -40,18 +42,92 @@ def test_retention_keeps_the_last_the_multiples_and_the_final(tmp_path):
     assert kept == [4, 8, 10, 12]
 
 
-def test_async_saves_train_identically_and_log_their_blocking_time(tmp_path):
-    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
-    train(sync_dir, "train.steps=8", "checkpoint.every=2", nproc=2)
-    train(async_dir, "train.steps=8", "checkpoint.every=2", "checkpoint.async=true", nproc=2)
-    assert losses(async_dir) == losses(sync_dir)
-    records = [json.loads(line) for line in (async_dir / "metrics.jsonl").read_text().splitlines()]
-    assert any(r.get("checkpoint_blocking_s") is not None for r in records)
-    assert (async_dir / "checkpoints" / "step-0000008").is_dir()
-    resumed = tmp_path / "resumed"
-    train(resumed, "train.steps=8", "checkpoint.every=2", "checkpoint.async=true", "train.stop_after_steps=4", nproc=2)
-    train(resumed, "train.steps=8", "checkpoint.every=2", "checkpoint.async=true", nproc=2)
-    assert losses(resumed)[8] == losses(sync_dir)[8]
+SLOW_WRITE_S = 4.0  # each rank's shard write sleeps this long first (dcp.SlowedWriter, test-only)
+ASYNC = "checkpoint.async=true"
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory):
+    """8 steps on 2 ranks with a synchronous save every 2: what every async run below must equal."""
+    run_dir = tmp_path_factory.mktemp("sync")
+    train(run_dir, "train.steps=8", "checkpoint.every=2", nproc=2)
+    return run_dir
+
+
+@pytest.fixture
+def slow_writes(monkeypatch):
+    monkeypatch.setenv(ckpt.SLOW_WRITE_ENV, str(SLOW_WRITE_S))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_training_goes_on_while_an_async_save_is_being_written(tmp_path, sync_run, slow_writes, mode):
+    """With a write slowed to SLOW_WRITE_S, step 3 is logged while step 2's shards are still being written
+    (their DCP `.metadata`, written last, is missing); never with sync saves, whose write blocks the loop."""
+    proc = start(tmp_path, "train.steps=8", "checkpoint.every=2", "train.stop_after_steps=3",  # sync_run's schedule
+                 *([ASYNC] if mode == "async" else []))
+    in_flight, seen, deadline = tmp_path / "checkpoints" / ".tmp-step-0000002", [], time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        logged = max(losses(tmp_path), default=0) if (tmp_path / "metrics.jsonl").exists() else 0
+        # read in this order: the step first, then the folder, so a sync save (committed before step 3 runs)
+        # can never be seen as in flight after step 3
+        if logged >= 3 and in_flight.is_dir() and not (in_flight / ".metadata").exists():
+            seen.append(logged)
+        time.sleep(0.02)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert bool(seen) == (mode == "async"), (
+        f"{mode} saves: step 3 was {'' if seen else 'not '}logged while step 2's shards were being written")
+    assert {s: losses(tmp_path)[s] for s in (1, 2, 3)} == {s: losses(sync_run)[s] for s in (1, 2, 3)}
+    blocking = [r["checkpoint_blocking_s"] for r in read_jsonl(tmp_path / "metrics.jsonl")
+                if "checkpoint_blocking_s" in r]
+    # the save of step 2 blocks the loop for the whole write when sync, for a host copy of the shards when async
+    assert (blocking[0] < SLOW_WRITE_S / 2) if mode == "async" else (blocking[0] >= SLOW_WRITE_S), blocking
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000002", "step-0000003"]
+
+
+def test_sigterm_during_an_async_write_completes_it_saves_and_resumes_exactly(tmp_path, sync_run, slow_writes,
+                                                                                monkeypatch):
+    proc = start(tmp_path, "train.steps=8", "checkpoint.every=2", ASYNC)
+    assert wait_for_saves(tmp_path, proc, count=1), "the save of step 2 was not seen"
+    os.kill(children(proc.pid)[-1], signal.SIGTERM)  # while step 2's write sleeps in the background
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-3000:]
+    stopped = max(losses(tmp_path))
+    assert f"stopped by SIGTERM at step {stopped}" in stderr and stopped in (2, 3)
+    assert read_status(tmp_path)["state"] == "preempted"
+    # the write in flight completed and was committed; the stop saved its own step; nothing half-written is left
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(
+        {"step-0000002", f"step-{stopped:07d}"})
+    monkeypatch.delenv(ckpt.SLOW_WRITE_ENV)
+    resumed = train(tmp_path, "train.steps=8", "checkpoint.every=2", ASYNC, nproc=2)
+    assert f"resuming from {tmp_path / 'checkpoints' / f'step-{stopped:07d}'} at step {stopped}" in resumed.stdout
+    assert losses(tmp_path) == losses(sync_run) and grad_norms(tmp_path) == grad_norms(sync_run)
+
+
+def test_sigkill_during_an_async_write_leaves_no_partial_checkpoint_and_resumes_bit_identical(
+        tmp_path, sync_run, slow_writes, monkeypatch):
+    proc = start(tmp_path, "train.steps=8", "checkpoint.every=2", ASYNC)
+    # the second save of this launch (step 4) is in flight: step 2's was committed before it started
+    assert wait_for_saves(tmp_path, proc, count=2), "the save of step 4 was not seen"
+    ranks = children(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher; its ranks die with it (a parent-death signal)
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    checkpoints = tmp_path / "checkpoints"
+    in_flight = checkpoints / ".tmp-step-0000004"
+    assert in_flight.is_dir() and not (in_flight / ".metadata").exists(), "the kill should land mid-write"
+    assert [p.name for p in checkpoints.glob("step-*")] == ["step-0000002"]
+    assert (checkpoints / "step-0000002" / "train_state.json").exists()
+    monkeypatch.delenv(ckpt.SLOW_WRITE_ENV)
+    resumed = train(tmp_path, "train.steps=8", "checkpoint.every=2", ASYNC, nproc=2)
+    assert f"resuming from {checkpoints / 'step-0000002'} at step 2" in resumed.stdout
+    assert not list(checkpoints.glob(".tmp-*"))
+    ours, theirs = final_weights(tmp_path, 8), final_weights(sync_run, 8)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
 
 
 def small_files():
@@ -59,16 +135,18 @@ def small_files():
     resource.setrlimit(resource.RLIMIT_FSIZE, (300_000, 300_000))
 
 
-@pytest.mark.parametrize(("policy", "stop_after", "lost"), [
-    ("warn", None, "3-8"),  # steps 4 and 6 fail with a warning, then the final save at step 8
-    ("warn", 2, "3-4"),  # the final save at train.stop_after_steps
-    ("stop", None, None),  # the first failure ends the run
+@pytest.mark.parametrize(("policy", "stop_after", "lost", "save"), [
+    ("warn", None, "3-8", "sync"),  # steps 4 and 6 fail with a warning, then the final save at step 8
+    ("warn", 2, "3-4", "sync"),  # the final save at train.stop_after_steps
+    ("stop", None, None, "sync"),  # the first failure ends the run
+    ("warn", None, "3-8", "async"),  # the writes fail in the background, seen when they are committed
 ])
 def test_a_failed_write_keeps_the_previous_checkpoint_and_a_lost_final_save_fails_the_run(tmp_path, policy,
-                                                                                           stop_after, lost):
+                                                                                           stop_after, lost, save):
     train(tmp_path, "train.steps=8", "checkpoint.every=2", "train.stop_after_steps=2")
     proc = start(tmp_path, "train.steps=8", "checkpoint.every=2", f"checkpoint.on_error={policy}",
-                 *([f"train.stop_after_steps={stop_after}"] if stop_after else []), nproc=1, preexec_fn=small_files)
+                 *([f"train.stop_after_steps={stop_after}"] if stop_after else []),
+                 *([ASYNC] if save == "async" else []), nproc=1, preexec_fn=small_files)
     stdout, stderr = proc.communicate(timeout=180)
     assert "checkpoint of step 4 failed" in stdout + stderr
     assert "step-0000002 is intact" in stdout + stderr

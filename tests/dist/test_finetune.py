@@ -1,4 +1,5 @@
-"""Fine-tuning a local HF snapshot with 2 real ranks: LoRA under every strategy, frozen base, peft export, merge."""
+"""Fine-tuning a local HF snapshot with real ranks: LoRA under every strategy, frozen base, peft export, merge,
+and training on from an imported snapshot."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import peft
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import TINY, losses, run_cli, train
+import yaml
+from helpers import TINY, grad_norms, losses, run_cli, train
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -80,7 +82,8 @@ def assert_base_unchanged(run_dir, snapshot):
 
 
 @pytest.mark.parametrize("layout", [["parallel.strategy=ddp"], ["parallel.strategy=zero2"],
-                                    ["parallel.strategy=zero3"], ["parallel.strategy=hybrid_zero2"],
+                                    ["parallel.strategy=zero3"],
+                                    ["parallel.strategy=hybrid_zero2", "parallel.hybrid_shard_size=1"],
                                     ["parallel.strategy=zero3", "parallel.tp=2"]], ids=lambda o: "-".join(o)[18:])
 def test_lora_learns_and_leaves_the_base_bit_identical(tmp_path, snapshot, layout):
     result = train(tmp_path, f"model.path={snapshot}", *LORA, f"train.steps={STEPS}", *layout,
@@ -122,6 +125,43 @@ def test_lora_trains_the_same_under_activation_checkpointing(tmp_path, snapshot)
               f"parallel.activation_checkpoint={mode}", nproc=2)
     assert losses(tmp_path / "full") == pytest.approx(losses(tmp_path / "none"), rel=1e-6)
     assert losses(tmp_path / "full")[4] < losses(tmp_path / "full")[1] - 0.05
+
+
+@pytest.fixture(scope="module")
+def lora_one_rank(snapshot, tmp_path_factory):
+    """A 4-step LoRA fine-tune of the snapshot on one rank: what every layout must compute."""
+    run_dir = tmp_path_factory.mktemp("lora-one-rank")
+    train(run_dir, f"model.path={snapshot}", *LORA, "train.steps=4")
+    return run_dir
+
+
+@pytest.mark.parametrize("strategy", ["hybrid_zero2", "hybrid_zero3"])
+def test_lora_under_a_hybrid_layout_matches_one_rank(tmp_path, snapshot, lora_one_rank, strategy):
+    """2 shard groups of 2 ranks: the adapters are sharded within a group and replicated across the groups."""
+    result = train(tmp_path, f"model.path={snapshot}", *LORA, "train.steps=4", f"parallel.strategy={strategy}",
+                   "parallel.hybrid_shard_size=2", nproc=4)
+    assert "dp_replicate=2, dp_shard=2" in result.stdout
+    for measure in (losses, grad_norms):
+        assert measure(tmp_path) == pytest.approx(measure(lora_one_rank), rel=1e-5), measure.__name__
+    assert_base_unchanged(tmp_path, snapshot)
+
+
+def test_training_resumes_from_an_imported_checkpoint(tmp_path, snapshot):
+    """`clustertrain import` writes a step-0 checkpoint; `--resume` from it under zero3 on 2 ranks trains as a
+    1-rank fine-tune of the same snapshot does (`model.path`)."""
+    imported = tmp_path / "imported"
+    result = run_cli("import", str(snapshot), str(imported))
+    assert result.returncode == 0, result.stderr[-2000:]
+    # the run describes the imported model: the snapshot's fields as import recorded them (TINY's own fields would
+    # add pad_token_id 0, an embedding row without gradient that the snapshot does not have)
+    model = yaml.safe_load((imported / "config.yaml").read_text())["model"]["config"]
+    train(tmp_path / "reference", f"model.path={snapshot}", "model.config={}", "train.steps=4")
+    resumed = train(tmp_path / "run", f"model.config={json.dumps(model)}", "train.steps=4", "parallel.strategy=zero3",
+                    nproc=2, extra_args=("--resume", str(imported)))
+    assert f"resuming from {imported} at step 0" in resumed.stdout
+    assert sorted(losses(tmp_path / "run")) == [1, 2, 3, 4]
+    for measure in (losses, grad_norms):
+        assert measure(tmp_path / "run") == pytest.approx(measure(tmp_path / "reference"), rel=1e-5), measure.__name__
 
 
 def test_adapter_export_loads_in_peft_and_merged_export_matches_it(tmp_path, snapshot):

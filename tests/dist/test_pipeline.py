@@ -1,10 +1,13 @@
-"""Pipeline parallelism with real gloo ranks: pp layouts agree with one rank, tied weights stay tied, and
-checkpoints move between pp and no pp."""
+"""Pipeline parallelism with real gloo ranks: pp layouts agree with one rank (with tp, dp, activation
+checkpointing, bf16 and evaluation too), tied weights stay tied, and checkpoints move between pp and no pp."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import TINY, LayoutRuns, grad_norms, losses, run_cli, train
+
+from clustertrain.train.metrics import read_jsonl
 
 pytestmark = pytest.mark.dist
 
@@ -15,15 +18,25 @@ DEEP = ["model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layer
         "num_key_value_heads: 2, max_position_embeddings: 256}"]  # 4 stages of one layer under interleaving
 INTERLEAVED = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.microbatches=4"]
 LORA = ["lora.rank=4", "lora.alpha=8", "optim.lr=1e-2", "optim.warmup_steps=0"]
+EVAL = ["train.eval_every=2"]  # held-out loss at steps 2 and 4
 LAYOUTS = {
-    "single": dict(nproc=None, overrides=[]),
+    "single": dict(nproc=None, overrides=EVAL),
     "pp2_gpipe": dict(nproc=2, overrides=["parallel.pp=2", "parallel.pp_schedule=gpipe"]),
-    "pp2_1f1b": dict(nproc=2, overrides=["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4"]),
+    "pp2_1f1b": dict(nproc=2, overrides=["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=4",
+                                         *EVAL]),
+    "pp2_tp2": dict(nproc=4, overrides=["parallel.pp=2", "parallel.tp=2"]),
+    "pp2_ac_full": dict(nproc=2, overrides=["parallel.pp=2", "parallel.activation_checkpoint=full"]),
+    "pp2_bf16": dict(nproc=2, overrides=["parallel.pp=2", "parallel.param_dtype=bfloat16"]),
     "zero3_dp2_pp2": dict(nproc=4, overrides=["parallel.pp=2", "parallel.strategy=zero3"]),
     "gpt2_single": dict(nproc=None, overrides=GPT2),
     "gpt2_pp2": dict(nproc=2, overrides=[*GPT2, "parallel.pp=2"]),
-    "deep_single": dict(nproc=None, overrides=DEEP),
+    "deep_single": dict(nproc=None, overrides=[*DEEP, *EVAL]),
     "deep_pp2_interleaved": dict(nproc=2, overrides=[*DEEP, *INTERLEAVED]),
+    # 2 blocks per stage: selective's stride counts from each stage's first block
+    "deep_pp2_ac_selective": dict(nproc=2, overrides=[*DEEP, "parallel.pp=2",
+                                                      "parallel.activation_checkpoint=selective"]),
+    # 2 pipelines of 2 ranks, each rank with 2 stages; ddp wraps every stage in FSDP2 over a replicating mesh
+    "deep_ddp_dp2_pp2_interleaved": dict(nproc=4, overrides=[*DEEP, *INTERLEAVED, "parallel.strategy=ddp", *EVAL]),
     "lora_single": dict(nproc=None, overrides=LORA),
     "lora_pp2": dict(nproc=2, overrides=[*LORA, "parallel.pp=2"]),
     "pp2_fp16": dict(nproc=2, overrides=["parallel.pp=2", "parallel.param_dtype=float16"]),
@@ -44,7 +57,8 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("name, reference", [
     ("pp2_gpipe", "single"), ("pp2_1f1b", "single"), ("zero3_dp2_pp2", "single"), ("gpt2_pp2", "gpt2_single"),
     ("deep_pp2_interleaved", "deep_single"), ("lora_pp2", "lora_single"), ("pp2_1f1b_chunked", "single"),
-    ("lora_pp2_chunked", "lora_single"),
+    ("lora_pp2_chunked", "lora_single"), ("pp2_tp2", "single"), ("pp2_ac_full", "single"),
+    ("deep_pp2_ac_selective", "deep_single"), ("deep_ddp_dp2_pp2_interleaved", "deep_single"),
 ])
 def test_pipeline_matches_one_rank(runs, name, reference):
     for measure in (losses, grad_norms):
@@ -53,9 +67,28 @@ def test_pipeline_matches_one_rank(runs, name, reference):
             assert got[step] == pytest.approx(expected[step], rel=1e-5), f"{measure.__name__}, step {step}"
 
 
-def test_pipeline_fp16_scales_the_loss_and_tracks_fp32(runs):
-    from clustertrain.train.metrics import read_jsonl
+def test_pipeline_bf16_tracks_fp32(runs):
+    """Measured drift of pp 2 bf16 from fp32 over steps 1-4: losses 8e-5, gradient norms 5e-3 (relative)."""
+    reference, got = runs["single"], runs["pp2_bf16"]
+    for measure, tolerance in ((losses, 4e-4), (grad_norms, 2.5e-2)):
+        expected, other = measure(reference), measure(got)
+        for step in range(1, 5):
+            assert other[step] == pytest.approx(expected[step], rel=tolerance), f"{measure.__name__}, step {step}"
+    assert losses(got)[1] != losses(reference)[1], "bf16 compute should not be bit-identical to fp32"
 
+
+@pytest.mark.parametrize("name, reference", [("pp2_1f1b", "single"), ("deep_ddp_dp2_pp2_interleaved", "deep_single")])
+def test_pipeline_evaluates_like_one_rank(runs, name, reference):
+    """Evaluation forwards through the schedule: the held-out loss of the last stage, summed over dp ranks."""
+    def evals(run_dir):
+        return {r["step"]: r["eval_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in r}
+
+    expected, got = evals(runs[reference]), evals(runs[name])
+    assert sorted(got) == sorted(expected) == [2, 4]
+    assert got == pytest.approx(expected, rel=1e-5)
+
+
+def test_pipeline_fp16_scales_the_loss_and_tracks_fp32(runs):
     reference, got = losses(runs["single"]), losses(runs["pp2_fp16"])
     for step in range(1, 5):
         assert got[step] == pytest.approx(reference[step], rel=2e-2), f"step {step}"
@@ -72,6 +105,18 @@ def test_pipeline_checkpoint_resumes_on_one_rank(runs, tmp_path, model, referenc
     assert losses(tmp_path) == pytest.approx(losses(runs[reference]), rel=1e-5)
 
 
+@pytest.mark.parametrize("name", ["pp2_1f1b", "deep_pp2_interleaved"])
+def test_pipeline_checkpoint_resumes_under_the_same_pipeline(runs, tmp_path, name):
+    """Interleaved: each rank saves its 2 stages' AdamWs as one optimizer and splits them again on load."""
+    layout = LAYOUTS[name]
+    train(tmp_path, *STEPS, *layout["overrides"], "train.stop_after_steps=2", nproc=layout["nproc"])
+    resumed = train(tmp_path, *STEPS, *layout["overrides"], nproc=layout["nproc"])
+    assert "resuming from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert sorted(losses(tmp_path)) == [1, 2, 3, 4]
+    for measure in (losses, grad_norms):
+        assert measure(tmp_path) == pytest.approx(measure(runs[name]), rel=1e-6), measure.__name__
+
+
 def test_one_rank_checkpoint_resumes_under_pipeline(runs, tmp_path):
     # tied: the last stage reads its head's optimizer state from the embedding's, the name one rank saves
     train(tmp_path, *STEPS, *GPT2, "train.stop_after_steps=2")
@@ -79,12 +124,26 @@ def test_one_rank_checkpoint_resumes_under_pipeline(runs, tmp_path):
     assert losses(tmp_path) == pytest.approx(losses(runs["gpt2_single"]), rel=1e-5)
 
 
-def test_pipeline_lora_checkpoint_exports_an_adapter(runs, tmp_path):
-    # peft's names under pp too: export sees the same checkpoint as from a run without pp
-    result = run_cli("export", str(runs["lora_pp2"]), str(tmp_path / "adapter"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
-    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+def test_pipeline_lora_checkpoint_exports_the_adapter_one_rank_trains(runs, tmp_path):
+    """peft's names under pp too: the adapter and the merged model equal those of the same run on one rank."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    for name in ("lora_pp2", "lora_single"):
+        for kind, args in (("adapter", ()), ("merged", ("--merge",))):
+            result = run_cli("export", str(runs[name]), str(tmp_path / name / kind), *args)
+            assert result.returncode == 0, result.stderr[-2000:]
+    adapter, reference = (load_file(tmp_path / n / "adapter" / "adapter_model.safetensors")
+                          for n in ("lora_pp2", "lora_single"))
+    assert adapter.keys() == reference.keys() and any(".lora_B." in k for k in adapter)
+    for key in adapter:
+        assert torch.allclose(adapter[key], reference[key], rtol=1e-5, atol=1e-6), key
+    assert all(adapter[k].abs().sum() > 0 for k in adapter if ".lora_B." in k)  # trained off lora_B's zero start
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        merged, expected = (AutoModelForCausalLM.from_pretrained(tmp_path / n / "merged").eval()(ids).logits
+                            for n in ("lora_pp2", "lora_single"))
+    assert torch.allclose(merged, expected, rtol=1e-5, atol=1e-5), (merged - expected).abs().max()
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -45,16 +45,15 @@ def overrides(data, rank, *extra):
 def test_a_bad_line_one_rank_reads_is_the_one_error_shown_and_recorded(data, tmp_path, rank):
     # rank 1's error reaches rank 0 as a gloo "connection closed"; rank 0's reaches rank 1 the same way: neither
     # gloo error is shown, recorded or decides the exit code
-    result = train(tmp_path, *overrides(data, rank), nproc=2, expect=2)
+    result = train(tmp_path, *overrides(data, rank), nproc=2, expect=2, state="failed")  # after the start
     message = f"{data / f'bad-rank{rank}.jsonl'}:{BAD_LINE[rank]}: {EXPECTED}"
     assert result.stderr.strip() == f"error: {message}", result.stderr[-3000:]  # once, no traceback
     status = read_status(tmp_path)
-    assert status["state"] == "failed", status
     assert status["error"] == f"DataError: {message}" + (" (rank 1)" if rank else ""), status
 
 
 def test_a_data_error_in_a_loader_worker_is_its_own_one_line(data, tmp_path):
-    result = train(tmp_path, *overrides(data, 0, "data.num_workers=1"), expect=2)
+    result = train(tmp_path, *overrides(data, 0, "data.num_workers=1"), expect=2, state="failed")
     message = f"{data / 'bad-rank0.jsonl'}:{BAD_LINE[0]}: {EXPECTED}"
     assert result.stderr.strip() == f"error: {message}", result.stderr[-3000:]
     assert read_status(tmp_path)["error"] == f"DataError: {message}"

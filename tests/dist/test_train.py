@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
 import pytest
-from helpers import TINY, LayoutRuns, grad_norms, losses, run_cli, train
+import torch
+from helpers import TINY, LayoutRuns, final_weights, grad_norms, losses, run_cli, train
 
 from clustertrain.train.status import read_status
 
@@ -23,7 +25,9 @@ LAYOUTS = {
     "zero3_bf16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=bfloat16",
                                            "train.eval_every=5"]),
     "ddp_bf16": dict(nproc=2, overrides=["parallel.strategy=ddp", "parallel.param_dtype=bfloat16"]),
-    "zero3_fp16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=float16"]),
+    # a checkpoint at every step, all kept: the weights around step 6's overflow are compared
+    "zero3_fp16": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.param_dtype=float16",
+                                           "checkpoint.every=1", "checkpoint.keep_every=1"]),
     "zero3_foreach": dict(nproc=2, overrides=["parallel.strategy=zero3", "optim.implementation=foreach"]),
     "zero3_compiled": dict(nproc=2, overrides=["parallel.strategy=zero3", "parallel.compile=true"]),
     # chunks of 100 rows do not divide a microbatch's 256; liger cannot run on CPU: a one-line fallback
@@ -36,6 +40,21 @@ LAYOUTS = {
     "ddp_dp2_tp2": dict(nproc=4, overrides=["parallel.strategy=ddp", "parallel.tp=2"]),
 }
 FP32 = [n for n in LAYOUTS if n != "single" and not n.endswith(("bf16", "fp16"))]
+# Half precision against the fp32 run ("single"), step by step: (first, last step), loss and grad-norm relative
+# tolerances, about 3x the largest drift measured over those steps on this tiny model (2 CPU ranks), which the
+# comments give. The 2e-2 on losses alone used before passed clipping before unscaling (grad norm 57,774, not
+# 0.88, at step 1).
+HALF_PRECISION = {
+    "zero3_bf16": [((1, 5), 4e-4, 7e-3),  # 1.3e-4, 2.2e-3
+                   ((6, 10), 1e-3, 1.5e-1)],  # 3.4e-4, 4.5e-2: bf16's 8-bit mantissa, compounded over updates
+    "ddp_bf16": [((1, 5), 3e-4, 1.5e-2),  # 8.0e-5, 5.0e-3
+                 ((6, 10), 6e-4, 1.5e-1)],  # 1.9e-4, 5.1e-2
+    # float16 overflows at step 6 (test_fp16_overflow_skips_the_update_and_halves_the_scale): its loss is from
+    # before the skipped update, its grad norm is not finite (None); from step 7 on the run is one update behind
+    "zero3_fp16": [((1, 5), 1.5e-4, 5e-3),  # 3.8e-5, 1.5e-3
+                   ((6, 6), 1.5e-4, None),  # 2.2e-5
+                   ((7, 10), 5e-2, 1.5)],  # 1.5e-2, 4.8e-1: one update fewer
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +96,56 @@ def test_every_layout_ends_with_a_sample(runs, name):
     assert read_status(runs[name])["state"] == "finished"
 
 
-@pytest.mark.parametrize("name", ["zero3_bf16", "ddp_bf16", "zero3_fp16"])
-def test_half_precision_tracks_fp32(runs, name):
-    reference, other = losses(runs["single"]), losses(runs[name])
-    for step in range(1, 6):
-        assert other[step] == pytest.approx(reference[step], rel=2e-2), f"step {step}"
-    assert other[1] != reference[1], "half-precision compute should not be bit-identical to fp32"
+@pytest.mark.parametrize("name", list(HALF_PRECISION))
+def test_half_precision_tracks_fp32_at_every_step(runs, name):
+    reference_loss, reference_norm = losses(runs["single"]), grad_norms(runs["single"])
+    loss, norm = losses(runs[name]), grad_norms(runs[name])
+    windows = HALF_PRECISION[name]
+    assert sorted(loss) == [step for (first, last), _, _ in windows for step in range(first, last + 1)]
+    for (first, last), loss_tolerance, norm_tolerance in windows:
+        for step in range(first, last + 1):
+            assert loss[step] == pytest.approx(reference_loss[step], rel=loss_tolerance), f"loss, step {step}"
+            if norm_tolerance is None:
+                assert not math.isfinite(norm[step]), f"grad norm, step {step}: no overflow"
+            else:
+                assert norm[step] == pytest.approx(reference_norm[step], rel=norm_tolerance), f"grad norm, step {step}"
+    assert loss[1] != reference_loss[1], "half-precision compute should not be bit-identical to fp32"
 
 
-def test_fp16_scales_the_loss(runs):
+def fp16_records(run_dir):
     from clustertrain.train.metrics import read_jsonl
 
-    scales = [r["loss_scale"] for r in read_jsonl(runs["zero3_fp16"] / "metrics.jsonl") if "loss" in r]
-    assert len(scales) == 10 and scales[0] == 2.0**16  # the scaler's start; it halves on overflow
+    return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+
+
+def grad_scaler_state(run_dir, step):
+    return json.loads((run_dir / "checkpoints" / f"step-{step:07d}" / "train_state.json").read_text())["grad_scaler"]
+
+
+def test_fp16_overflow_skips_the_update_and_halves_the_scale(runs):
+    """The 2-rank zero3 fp16 run's scaled gradients overflow at step 6: no weight changes, the scale halves."""
+    run = runs["zero3_fp16"]
+    records = fp16_records(run)
+    assert [records[step]["loss_scale"] for step in range(1, 11)] == [2.0**16] * 5 + [2.0**15] * 5
+    assert [step for step in records if not math.isfinite(records[step]["grad_norm"])] == [6]
+    before, skipped, after = (final_weights(run, step) for step in (5, 6, 7))
+    for name in before:
+        assert torch.equal(skipped[name], before[name]), f"step 6 changed {name}"
+    assert all(not torch.equal(after[name], skipped[name]) for name in after), "step 7 should update every weight"
+    assert grad_scaler_state(run, 5)["scale"] == 2.0**16 and grad_scaler_state(run, 6)["scale"] == 2.0**15
+
+
+def test_fp16_resume_restores_the_scaler(runs, tmp_path):
+    overrides = (*STEPS, *LAYOUTS["zero3_fp16"]["overrides"], "checkpoint.every=7")  # saves at 7 and 10 only
+    train(tmp_path, *overrides, "train.stop_after_steps=7", nproc=2)
+    assert grad_scaler_state(tmp_path, 7)["scale"] == 2.0**15, "the overflow at step 6 should have halved it"
+    second = train(tmp_path, *overrides, nproc=2)
+    assert f"resuming from {tmp_path / 'checkpoints' / 'step-0000007'} at step 7" in second.stdout
+    resumed, uninterrupted = fp16_records(tmp_path), fp16_records(runs["zero3_fp16"])
+    assert sorted(resumed) == list(range(1, 11))
+    for step in range(8, 11):
+        for key in ("loss", "grad_norm", "loss_scale"):
+            assert resumed[step][key] == uninterrupted[step][key], f"{key}, step {step}"
 
 
 def test_evaluation_is_logged(runs):

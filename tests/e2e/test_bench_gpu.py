@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 ROW = re.compile(r"^(clustertrain|reference)\s+([\d,]+)\s+([\d.]+)%\s+([\d.]+) GB$")
 
 
+@pytest.mark.dist  # trains: not in `make test-fast`
 def test_tiny_bench_prints_both_runners_for_both_workloads():
     result = subprocess.run([sys.executable, str(BENCH), "--tiny", "--steps", "3"], capture_output=True, text=True,
-                            timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     tables = result.stdout.split("\n\n")[1:]
     assert [t.splitlines()[0].split(":")[0] for t in tables] == [

@@ -8,6 +8,7 @@ import json
 import pytest
 from helpers import run_cli, train
 
+from clustertrain.cli import main
 from clustertrain.data.synthetic import read_task
 
 STEPS = 120
@@ -30,21 +31,11 @@ REVERSE_TASK = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Every command here runs on one intra-op thread. A model this small gains nothing from a second one, and
-    two threads spinning for cores that other jobs hold made training 5x slower (measured: 22 s against 103 s)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        yield
-
-
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, one_thread):
+def trained(tmp_path_factory):
     """(run directory, task directory) of one SFT run on the reverse task."""
     root = tmp_path_factory.mktemp("reverse")
-    made = run_cli("eval", "--make-task", str(root / "task"), "--train", "5000", "--test", "200")
-    assert made.returncode == 0, made.stderr
+    assert main(["eval", "--make-task", str(root / "task"), "--train", "5000", "--test", "200"]) == 0  # in-process
     train(root / "run", *REVERSE_TASK, f"data.sources=[{{path: {root / 'task' / 'train.jsonl'}}}]")
     return root / "run", root / "task"
 
@@ -55,6 +46,7 @@ def evaluate(source, task, *extra: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_exact_match_rises_from_near_zero_to_most_answers(trained):
     run, task = trained
     before = evaluate(run / "checkpoints" / "step-0000020", task)
@@ -67,6 +59,7 @@ def test_exact_match_rises_from_near_zero_to_most_answers(trained):
     assert all(e["answer"].split() == e["prompt"].split()[1:-1][::-1] for e in right)
 
 
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_eval_prints_accuracy_and_examples(trained):
     run, task = trained
     result = run_cli("eval", str(run), "--data", str(task / "test.jsonl"), "--limit", "20", "--show", "3")
@@ -76,6 +69,7 @@ def test_eval_prints_accuracy_and_examples(trained):
     assert len(lines) == 4 and all(line.startswith(("  ok   'reverse: ", "  miss 'reverse: ")) for line in lines[1:])
 
 
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_generate_from_checkpoint_and_export_agree_with_eval(trained, tmp_path):
     run, task = trained
     record = read_task(task / "test.jsonl")[0]
@@ -92,6 +86,7 @@ def test_generate_from_checkpoint_and_export_agree_with_eval(trained, tmp_path):
     assert from_export.stderr == ""  # no progress bars or generation warnings
 
 
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_sampling_repeats_with_its_seed(trained):
     run, _ = trained
     args = ["generate", str(run), "--prompt", "reverse: a b", "--temperature", "1.5", "--top-p", "1",
@@ -102,19 +97,19 @@ def test_sampling_repeats_with_its_seed(trained):
 
 
 @pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["eval", "--data", "test.jsonl"]])
-def test_missing_source_is_one_line_exit_2(tmp_path, command):
-    result = run_cli(command[0], str(tmp_path / "nowhere"), *command[1:])
-    assert result.returncode == 2
-    assert result.stderr.startswith(f"error: {tmp_path / 'nowhere'} does not exist")
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+def test_missing_source_is_one_line_exit_2(tmp_path, command, capsys):
+    assert main([command[0], str(tmp_path / "nowhere"), *command[1:]]) == 2  # in-process: refused before any work
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"error: {tmp_path / 'nowhere'} does not exist")
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
 
 
-def test_eval_needs_source_and_data_or_make_task():
-    result = run_cli("eval", "--data", "test.jsonl")
-    assert result.returncode == 2
-    assert result.stderr == "error: give SOURCE and --data TEST.jsonl (or --make-task OUT_DIR to write a task)\n"
+def test_eval_needs_source_and_data_or_make_task(capsys):
+    assert main(["eval", "--data", "test.jsonl"]) == 2
+    assert capsys.readouterr().err == "error: give SOURCE and --data TEST.jsonl (or --make-task OUT_DIR to write a task)\n"
 
 
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_lora_fine_tune_raises_the_accuracy_of_an_exported_base(trained, tmp_path):
     """`eval` before and after a short LoRA run on a half-trained base, the adapter scored as `export` writes it."""
     run, task = trained

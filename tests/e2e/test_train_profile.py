@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from helpers import TINY, run_cli, train
 
 
+@pytest.mark.dist
 def test_profile_writes_a_trace_per_rank_of_the_profiled_steps(tmp_path):
     result = train(tmp_path, "metrics.profile=[2,3]", "train.steps=4", nproc=2)
     folder = tmp_path / "profile"

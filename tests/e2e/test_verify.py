@@ -8,18 +8,10 @@ import pytest
 from helpers import TINY, run_cli
 from pydantic import BaseModel
 
-from clustertrain.cli import verify_cmd
+from clustertrain.cli import main, verify_cmd
 from clustertrain.config.load import load_config
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread per rank: a model this small gains nothing from more, and the cores are shared."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("OMP_NUM_THREADS", "1")
-        yield
 
 
 def verify(*args: str) -> tuple[int, list[str], str]:
@@ -28,12 +20,20 @@ def verify(*args: str) -> tuple[int, list[str], str]:
     return result.returncode, result.stdout.splitlines(), result.stderr
 
 
+def verify_here(capsys, *args: str) -> tuple[int, list[str], str]:
+    """verify() in-process, through the CLI's own main(), for refusals that come before any run starts."""
+    capsys.readouterr()
+    code = main(["verify", "--steps", str(STEPS), *(f"--set={o}" for o in TINY), *args])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err
+
+
 def largest_difference(last_line: str) -> float:
     return float(re.match(r"largest relative difference: (\S+) ", last_line)[1])
 
 
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory, one_thread):
+def zero3(tmp_path_factory):
     """A zero3 config whose own run directory must stay untouched, verified on 2 ranks."""
     root = tmp_path_factory.mktemp("verify-zero3")
     (root / "zero3.yaml").write_text(f"parallel:\n  strategy: zero3\ntrain:\n  run_dir: {root / 'real-run'}\n")
@@ -77,15 +77,15 @@ def test_a_reference_that_computes_something_else_fails(tmp_path):
     assert largest_difference(lines[-1]) > 1e-4
 
 
-def test_bad_key_fails_in_one_line_before_training(tmp_path):
-    code, lines, stderr = verify("--set", "parallel.nope=1", "--out", str(tmp_path / "out"))
+def test_bad_key_fails_in_one_line_before_training(tmp_path, capsys):
+    code, lines, stderr = verify_here(capsys, "--set", "parallel.nope=1", "--out", str(tmp_path / "out"))
     assert code == 2
     assert stderr == "error: config error: unknown key 'parallel.nope'\n"
     assert lines == [] and not (tmp_path / "out").exists()
 
 
-def test_missing_config_file_is_one_line(tmp_path):
-    code, _, stderr = verify(str(tmp_path / "missing.yaml"))
+def test_missing_config_file_is_one_line(tmp_path, capsys):
+    code, _, stderr = verify_here(capsys, str(tmp_path / "missing.yaml"))
     assert code == 2
     assert stderr == f"error: config file not found: {tmp_path / 'missing.yaml'}\n"
 
@@ -98,10 +98,10 @@ def test_a_user_error_inside_a_run_is_one_line(tmp_path):
     assert stderr == "error: layout run: data source '/nonexistent/*.txt': no such file, directory or matching files\n"
 
 
-def test_out_holding_something_else_is_left_alone(tmp_path):
+def test_out_holding_something_else_is_left_alone(tmp_path, capsys):
     (tmp_path / "layout").mkdir()
     (tmp_path / "layout" / "notes.txt").write_text("mine")
-    code, _, stderr = verify("--out", str(tmp_path))
+    code, _, stderr = verify_here(capsys, "--out", str(tmp_path))
     assert code == 2
     assert stderr == (f"error: {tmp_path / 'layout'} exists and is not a verify run; give --out a new or empty "
                       "directory\n")

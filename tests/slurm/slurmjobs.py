@@ -8,11 +8,12 @@ from pathlib import Path
 
 from helpers import TINY, require, run_cli
 
-from clustertrain.launch.jobs import read_chain
+from clustertrain.launch.jobs import ACTIVE_STATES, job_ids, job_states, read_chain
 from clustertrain.train.metrics import read_jsonl
 
 # Long enough (tens of seconds) for Slurm's warning to land mid-run; logs rarely, to keep steps cheap.
 LONG = (*TINY, "metrics.log_every=50", "checkpoint.every=100")
+SUBMITTED: list[Path] = []  # the run directories of this test's submissions; conftest.py cancels their jobs
 
 
 def require_slurm() -> None:
@@ -23,9 +24,26 @@ def submit(run_dir: Path, *overrides: str) -> str:
     """`clustertrain slurm submit` of the tiny model with 2 CPU ranks on one node; returns the job id."""
     settings = (*LONG, "slurm.tasks_per_node=2", "slurm.time=00:10:00", "slurm.signal_before=60", *overrides,
                 f"train.run_dir={run_dir}")
+    SUBMITTED.append(run_dir)
     result = run_cli("slurm", "submit", *[f"--set={o}" for o in settings])
     assert result.returncode == 0, result.stderr
     return result.stdout.split()[2]
+
+
+def cancel_jobs(run_dir: Path, settle_s: float = 90) -> None:
+    """Cancel the run's queued and running jobs, follow-up jobs included. A cancelled job's own end can requeue
+    it or submit a follow-up, so look again until the chain has ended for good or stayed quiet for 3 s."""
+    deadline, quiet = time.monotonic() + settle_s, 0
+    while time.monotonic() < deadline and quiet < 3:
+        active = [j for j, state in job_states(job_ids(read_chain(run_dir))).items() if state in ACTIVE_STATES]
+        if active:
+            subprocess.run(["scancel", *active], capture_output=True)
+            quiet = 0
+        elif outcomes(run_dir)[-1:] not in ([], ["requeued"], ["resubmitted"]):
+            return  # finished, failed, gave up or stopped: nothing follows
+        else:
+            quiet += 1
+        time.sleep(1)
 
 
 def log(run_dir: Path) -> str:

@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 from helpers import final_weights, train
-from slurmjobs import LONG, log, require_slurm, scancel, submit, wait_for, wait_until_done, last_step
+from slurmjobs import LONG, last_step, log, outcomes, require_slurm, scancel, submit, wait_for, wait_until_done
 
 from clustertrain.launch.jobs import read_chain
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
-STEPS = 3000  # about 60 s of training on 2 idle cores: longer than the 30-60 s warning of a 2-minute job
+STEPS = 3000  # about 60 s of training on 2 idle cores: still training when the USR1 sent at step 100 arrives
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +44,19 @@ def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(tmp_pa
     assert_same_weights(tmp_path, uninterrupted)
 
 
-def test_time_limit_warning_requeues_until_done(tmp_path):
-    # --time=2 with --signal=B:USR1@60: Slurm warns the batch shell 30-60 s in, and passes USR1 on to the ranks.
-    # Twice the steps of the run above, so that even a fast machine is still training when the warning comes.
-    # (The weights after a requeue are compared with an uninterrupted run's in the test above.)
-    steps = 2 * STEPS
+def test_time_limit_warning_saves_requeues_and_resumes(tmp_path):
+    # --time=2 with --signal=B:USR1@60: Slurm warns the batch shell 30-60 s in, and it passes USR1 on to the ranks.
+    # The run is longer than its job in wall time on any machine (its steps never run out), so the warning finds
+    # it training; its one requeue (slurm.max_restarts=1) resumes, and our USR1 then ends the chain (gave-up)
+    # instead of the next time limit. (The weights after a requeue are compared in the test above.)
     require_slurm()
-    submit(tmp_path, f"train.steps={steps}", "slurm.time=2")
-    found = wait_until_done(tmp_path, timeout=900)
-    assert found[-1] == "finished" and "requeued" in found, found
-    assert "stopped by SIGUSR1" in log(tmp_path)
-    assert (tmp_path / "checkpoints" / f"step-{steps:07d}").is_dir()
+    job = submit(tmp_path, "train.steps=100000000", "slurm.time=2", "slurm.max_restarts=1")
+    wait_for(lambda: outcomes(tmp_path)[:1] == ["requeued"], tmp_path, "Slurm's time-limit warning", timeout=600)
+    stopped = int(re.search(r"stopped by SIGUSR1 at step (\d+) after saving", log(tmp_path))[1])
+    assert (tmp_path / "checkpoints" / f"step-{stopped:07d}").is_dir()
+    resumed = f"resuming from {tmp_path}/checkpoints/step-{stopped:07d} at step {stopped}"
+    wait_for(lambda: resumed in log(tmp_path) and last_step(tmp_path) > stopped, tmp_path, "the resumed run")
+    scancel("--signal=USR1", job)
+    assert wait_until_done(tmp_path) == ["requeued", "gave-up"]
+    starts = [(e["job_id"], e["restart"]) for e in read_chain(tmp_path) if e["event"] == "started"]
+    assert starts == [(job, 0), (job, 1)]

@@ -1,16 +1,17 @@
-"""CheckpointManager's choices that need no real save, and StopRequests' handling of signals."""
+"""CheckpointManager's choices that need no real save, and StopRequests' handling of signals and the walltime."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from clustertrain.checkpoint.manager import CheckpointManager, StopRequests
-from clustertrain.config.schema import CheckpointConfig
+from clustertrain.config.schema import CheckpointConfig, walltime_seconds
 from clustertrain.dist.spawn import listen_early
 
 
@@ -55,3 +56,29 @@ def test_a_signal_before_the_trainer_listens_is_kept_for_step_1_and_a_second_ctr
             os.kill(os.getpid(), signal.SIGINT)
     assert early.received == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+@pytest.mark.parametrize(("walltime", "margin", "due_after"), [
+    ("0:02", 1, 1.0),  # Slurm's MM:SS: 2 s, less the margin
+    (1.5, 0, 1.5),  # a number: seconds
+])
+def test_the_walltime_stops_the_run_at_its_limit_less_the_margin(walltime, margin, due_after):
+    start = time.monotonic()
+    stop = StopRequests(walltime_seconds(walltime), margin)
+    try:
+        assert stop.agreed() is None
+        while stop.agreed() is None and time.monotonic() - start < 30:
+            time.sleep(0.01)
+        elapsed = time.monotonic() - start
+        assert stop.agreed() == "walltime"
+        assert due_after <= elapsed < due_after + 1.0, elapsed  # not at 2 minutes, and not before its time
+    finally:
+        stop.close()
+
+
+def test_an_unlimited_walltime_never_stops_the_run():
+    stop = StopRequests(walltime_seconds("UNLIMITED"), 300)
+    try:
+        assert stop.deadline == float("inf") and stop.agreed() is None
+    finally:
+        stop.close()

@@ -191,7 +191,7 @@ CASES: dict[str, tuple[dict[str, bytes], list[str], str]] = {
                               r"data source '{d}/\*\.parquet': no such file"),
     "directory without data files": ({"notes.md": b"# notes\n"}, ["path: {d}"], r"data source '{d}': no .*files"),
     "broken symlink": ({"@a.jsonl": b"{d}/gone.jsonl"}, [], r"data source '{d}/a\.jsonl': no such file"),
-    "unknown extension": ({"a.csv": b"text\nx\n"}, [], r"{d}/a\.csv: cannot tell the format"),
+    "unknown extension": ({"a.xls": b"text\nx\n"}, [], r"{d}/a\.xls: cannot tell the format"),
     "mixed formats in a glob": ({"a.jsonl": jsonl(*GOOD[:12]), "b.txt": b"x = 1\n"}, ["path: {d}/*"],
                                 r"data source '{d}/\*': mixes"),
     "missing token file": ({}, ["path: {d}/none.npy"], r"data source '{d}/none\.npy': no such file"),

@@ -129,17 +129,20 @@ def test_row_weighted_mixture_packs_both_sources_into_rows(corpus):
     assert "alpha" in text and "beta" in text
 
 
-def test_sft_rows_carry_loss_only_on_responses(corpus, tmp_path):
+@pytest.mark.parametrize("loss_on", ["completion", "all"])
+def test_sft_rows_carry_loss_on_responses_or_on_everything(corpus, tmp_path, loss_on):
     path = tmp_path / "sft.jsonl"
     with path.open("w") as f:
         for i in range(60):
             f.write(json.dumps({"prompt": f"question {i} alpha{i % 7} ", "completion": f"answer beta{i % 5}"}) + "\n")
-    plan = make_plan(corpus, mode="sft", sources=[{"path": str(path)}], seq_len=48)
+    plan = make_plan(corpus, mode="sft", sources=[{"path": str(path)}], seq_len=48, loss_on=loss_on)
     batch = StreamLoader(plan, 0, 1).next_batch()
     tok = plan.tokenizer
     for row, labels, positions in zip(batch["input_ids"], batch["labels"], batch["position_ids"]):
         trained = tok.decode([t for t in labels.tolist() if t != IGNORE_INDEX])
-        assert "answer" in trained and "question" not in trained
+        assert "answer" in trained and ("alpha" in trained) == (loss_on == "all")  # a prompt word
+        if loss_on == "all":  # only the padding carries no loss
+            assert all(row[labels == IGNORE_INDEX] == plan._pad_id())
         assert positions[0] == 0 and (positions == 0).sum() >= 2, "examples restart positions"
 
 
@@ -207,3 +210,15 @@ def test_a_global_batch_too_big_for_a_rank_is_refused_before_its_streams_exist(c
                                           r"each of the 2 data-parallel ranks; at most 65,536 per rank"):
         StreamLoader(plan, 0, 2)
     assert len(StreamLoader(plan, 0, 2**15).stream_ids) == 2**15  # enough ranks: fine
+
+
+def test_eval_sources_are_the_held_out_set_and_the_sources_are_not_split(corpus):
+    plan = make_plan(corpus, eval_fraction=0.1, eval_sources=[{"path": str(corpus["b"])}])
+    assert plan.ranges[0] == {"train": (0, 300), "eval": (300, 300)} and plan.has_eval()
+    eval_plan, split = plan.for_split("eval")
+    rows = StreamLoader(eval_plan, 0, 1, split=split).next_batch()
+    text = plan.tokenizer.decode(rows["input_ids"].flatten())
+    assert "beta" in text and "alpha" not in text
+    assert "data.eval_fraction (0 with data.eval_sources)" in plan.spec()
+    assert spec_changes(plan.spec(), make_plan(corpus, eval_fraction=0.1).spec()) == [
+        "data.eval_fraction (0 with data.eval_sources): 0.0 -> 0.1"]

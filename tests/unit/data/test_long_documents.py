@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -46,6 +48,8 @@ def test_a_long_document_has_the_tokens_of_the_whole(tokenizer):
 
 def test_packing_takes_an_array_document_as_it_takes_a_list():
     class One:  # a cursor over one document, forever
+        count, orders = 0, [SimpleNamespace(phase=0.0)]
+
         def __init__(self, doc):
             self.doc = doc
 
