@@ -137,8 +137,9 @@ class DataPlan:
         self.sources = [] if data.mode == "random" else [self._open(s, cache_dir) for s in data.sources]
         self.eval_fraction = 0.0 if data.eval_sources else data.eval_fraction
         self.ranges = [self._split(len(src)) for src in self.sources]
-        self.eval_plan = DataPlan(data.model_copy(update={"sources": data.eval_sources, "eval_sources": None, "eval_fraction": 0.0}),
-                                  tokenizer, num_streams, seed, cache_dir) if data.eval_sources else None
+        held_out = {"sources": data.eval_sources, "eval_sources": None, "eval_fraction": 0.0}  # read whole
+        self.eval_plan = DataPlan(data.model_copy(update=held_out), tokenizer, num_streams, seed,
+                                  cache_dir) if data.eval_sources else None
         self.notes = self._notes()  # said once at start
         self._long: OrderedDict[tuple[int, int], Encoded] = OrderedDict()  # (source, document) -> its encoding
 
