@@ -238,6 +238,8 @@ class ParallelConfig(Section):
         None, gt=0, description="Ranks that hold replicas (DDP, or across hybrid shard groups); default from `strategy`."
     )
     param_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    loss_scale: float = Field(2.0**16, gt=0, allow_inf_nan=False, description="float16: the loss scaler's first "
+                              "scale; it halves at every step whose scaled gradients overflow (that step is skipped).")
     activation_checkpoint: Literal["none", "full", "selective"] = Field(
         "none", description="Recompute block activations in backward instead of keeping them: in every block (full), "
         "in every `activation_checkpoint_every`-th block (selective), or none.",

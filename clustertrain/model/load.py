@@ -47,9 +47,13 @@ def build_hf_config(
     if fields["vocab_size"] < needed:
         raise ConfigError(f"model.config.vocab_size = {fields['vocab_size']} is smaller than the {needed} tokens needed")
     if tokenizer is not None:
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in ("bos_token_id", "eos_token_id"):
             value = getattr(tokenizer, name)
             fields.setdefault(name, value if value is not None else tokenizer.eos_token_id)
+        # HF embeddings keep the pad row at zero with no gradient: a pad that is the end-of-text token would leave
+        # the token between documents unlearned. Padding carries no loss, so no pad id is needed then.
+        pad = tokenizer.pad_token_id
+        fields.setdefault("pad_token_id", pad if pad is not None and pad != tokenizer.eos_token_id else None)
     try:
         return AutoConfig.for_model(model.arch, **fields)
     except (ValueError, TypeError) as e:

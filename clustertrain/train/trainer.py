@@ -140,7 +140,8 @@ class Trainer:
         # The largest rank's peak memory once the weights are in place: what loading the model cost.
         self.load_mem_gb, = reduce_values([memory_gb(self.device)], op="max")
         self.optimizer = build_optimizer(self.model, cfg.optim, loss_scaling=cfg.parallel.param_dtype == "float16")
-        self.scaler = ShardedGradScaler(self.device.type) if cfg.parallel.param_dtype == "float16" else None
+        self.scaler = (ShardedGradScaler(self.device.type, init_scale=cfg.parallel.loss_scale)
+                       if cfg.parallel.param_dtype == "float16" else None)
         self.total_steps = total_steps(cfg)
         self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])

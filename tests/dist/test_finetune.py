@@ -152,8 +152,7 @@ def test_training_resumes_from_an_imported_checkpoint(tmp_path, snapshot):
     imported = tmp_path / "imported"
     result = run_cli("import", str(snapshot), str(imported))
     assert result.returncode == 0, result.stderr[-2000:]
-    # the run describes the imported model: the snapshot's fields as import recorded them (TINY's own fields would
-    # add pad_token_id 0, an embedding row without gradient that the snapshot does not have)
+    # the run describes the imported model: the snapshot's fields as import recorded them, not TINY's
     model = yaml.safe_load((imported / "config.yaml").read_text())["model"]["config"]
     train(tmp_path / "reference", f"model.path={snapshot}", "model.config={}", "train.steps=4")
     resumed = train(tmp_path / "run", f"model.config={json.dumps(model)}", "train.steps=4", "parallel.strategy=zero3",

@@ -211,6 +211,7 @@ CASES: dict[str, Bad] = {
     "loss-on": S("data.loss_on", "data.loss_on=prompt"),
     "eval-sources-empty": S("data.eval_sources", "data.eval_sources=[]"),
     "model-type-other-arch": S("model.config.model_type", "model.config={model_type: opt}"),
+    "loss-scale-zero": S("parallel.loss_scale", "parallel.loss_scale=0"),
     "train-unknown-key": S("train.setps", "train.setps=10"),
     # ---- parallel ------------------------------------------------------------------------------
     "strategy": S("parallel.strategy", "parallel.strategy=fsdp"),

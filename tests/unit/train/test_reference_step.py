@@ -65,12 +65,12 @@ def test_one_rank_step_equals_a_hand_written_step(tmp_path):
         for batch in batches:
             shifted = batch["labels"][:, :-1] != IGNORE_INDEX
             assert torch.equal(batch["labels"][:, :-1][shifted], batch["input_ids"][:, 1:][shifted]), "next tokens"
-        # The local tokenizer's pad token is its end-of-text token 0, so the embedding's padding row (HF's
-        # padding_idx: no gradient) is that of the token between documents, as in the run's config.
-        assert (trainer.hf_config.vocab_size, trainer.hf_config.pad_token_id) == (512, 0)
+        # The local tokenizer's pad token is its end-of-text token: the model gets no pad id, so that token's
+        # embedding learns (HF's padding_idx row would get no gradient).
+        assert (trainer.hf_config.vocab_size, trainer.hf_config.pad_token_id) == (512, None)
         reference = LlamaForCausalLM(LlamaConfig(
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0,
+            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         ))
         reference.load_state_dict(trainer.model.state_dict(), strict=True)
         before = {name: p.detach().clone() for name, p in reference.named_parameters()}
