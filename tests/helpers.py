@@ -253,6 +253,6 @@ def require(tool: str, probe: list[str] | None = None) -> None:
 
 def free_port_env() -> str:
     """A free TCP port, as a string for MASTER_PORT."""
-    from clustertrain.dist.spawn import free_port
+    from clustertrain.distributed.spawn import free_port
 
     return str(free_port())

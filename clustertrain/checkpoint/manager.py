@@ -25,8 +25,8 @@ from torch.optim import Optimizer
 
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.config.schema import CheckpointConfig
-from clustertrain.dist.collectives import reduce_values
-from clustertrain.dist.spawn import STOP_SIGNALS, EarlySignals
+from clustertrain.distributed.collectives import reduce_values
+from clustertrain.distributed.spawn import STOP_SIGNALS, EarlySignals
 from clustertrain.errors import CheckpointError
 from clustertrain.train.status import REQUEUE_EXIT_CODE
 

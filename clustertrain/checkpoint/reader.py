@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    TensorStorageMetadata)
 from torch.futures import Future
 
-from clustertrain.dist.collectives import all_gather_objects, all_reduce
+from clustertrain.distributed.collectives import all_gather_objects, all_reduce
 from clustertrain.errors import CheckpointError
 from clustertrain.model.weights import refusal
 

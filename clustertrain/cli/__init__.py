@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except UserError as e:
-        shown = getattr(e, "shown", False)  # by the rank that had it (clustertrain/dist/failures.py)
+        shown = getattr(e, "shown", False)  # by the rank that had it (clustertrain/distributed/failures.py)
         if (is_rank0() or getattr(args, "log_all_ranks", False)) and not shown:
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -55,7 +55,7 @@ def is_rank0() -> bool:
     """Whether this process is rank 0 (the one that talks), with or without a process group."""
     import torch.distributed as dist
 
-    from clustertrain.dist.env import detect_launcher
+    from clustertrain.distributed.env import detect_launcher
 
     if dist.is_initialized():
         return dist.get_rank() == 0

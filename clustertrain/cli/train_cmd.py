@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from clustertrain.dist.spawn import EarlySignals
+    from clustertrain.distributed.spawn import EarlySignals
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clustertrain.dist.spawn import listen_early
+    from clustertrain.distributed.spawn import listen_early
 
     # Before the slow imports (torch takes seconds): a SIGTERM now must not kill the run silently (exit 143),
     # and a launcher's held-back signals arrive here; the trainer honours them at step 1.
@@ -41,7 +41,7 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
-        from clustertrain.dist.spawn import spawn_local
+        from clustertrain.distributed.spawn import spawn_local
 
         argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []), early)

@@ -63,7 +63,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_verify(args: argparse.Namespace) -> int:
     from clustertrain.config.load import load_config
-    from clustertrain.dist.env import detect_launcher
+    from clustertrain.distributed.env import detect_launcher
     from clustertrain.errors import ConfigError, LaunchError, UserError
 
     for flag in ("nproc", "steps", "reference_nproc"):

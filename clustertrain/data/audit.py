@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from clustertrain.dist.collectives import gather_objects
+from clustertrain.distributed.collectives import gather_objects
 
 
 class AuditLog:

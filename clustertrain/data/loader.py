@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clustertrain.data.plan import DataPlan, spec_changes
-from clustertrain.dist.collectives import all_gather_objects
+from clustertrain.distributed.collectives import all_gather_objects
 from clustertrain.errors import ConfigError, DataError, UserError
 
 

@@ -11,7 +11,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.config.schema import ParallelConfig
-from clustertrain.dist.mesh import Mesh
+from clustertrain.distributed.mesh import Mesh
 from clustertrain.parallel.ac import apply_activation_checkpointing
 from clustertrain.parallel.compile import apply_compile
 from clustertrain.parallel.pp import stage_indices, tie_weights_across_stages

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from clustertrain.config.schema import ParallelConfig, RunConfig
-from clustertrain.dist.mesh import Mesh
+from clustertrain.distributed.mesh import Mesh
 from clustertrain.errors import ConfigError
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from clustertrain.dist.collectives import all_gather_objects
+from clustertrain.distributed.collectives import all_gather_objects
 from clustertrain.errors import UserError
 
 LOCK_FILE = "run.lock"

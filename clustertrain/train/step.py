@@ -20,7 +20,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
-from clustertrain.dist.collectives import all_reduce
+from clustertrain.distributed.collectives import all_reduce
 from clustertrain.errors import UserError
 from clustertrain.parallel.pp import Pipeline
 from clustertrain.train.loss import token_loss_sum

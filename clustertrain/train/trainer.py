@@ -27,11 +27,11 @@ from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root, load_tokenizer
-from clustertrain.dist.collectives import all_reduce, broadcast, reduce_values
-from clustertrain.dist.env import RankInfo, detect_launcher
-from clustertrain.dist.failures import PeerFailed, RankFailure, first_failure, let_peers_report
-from clustertrain.dist.init import close_distributed, init_distributed, rank0_first
-from clustertrain.dist.mesh import build_mesh
+from clustertrain.distributed.collectives import all_reduce, broadcast, reduce_values
+from clustertrain.distributed.env import RankInfo, detect_launcher
+from clustertrain.distributed.failures import PeerFailed, RankFailure, first_failure, let_peers_report
+from clustertrain.distributed.init import close_distributed, init_distributed, rank0_first
+from clustertrain.distributed.mesh import build_mesh
 from clustertrain.errors import CheckpointError, ConfigError
 from clustertrain.model.attention import resolve_attention
 from clustertrain.model.estimate import (check_memory_floor, count_params, model_flops_per_token, peak_flops,

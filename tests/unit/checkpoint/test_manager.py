@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from clustertrain.checkpoint.manager import CheckpointManager, StopRequests
 from clustertrain.config.schema import CheckpointConfig, walltime_seconds
-from clustertrain.dist.spawn import listen_early
+from clustertrain.distributed.spawn import listen_early
 
 
 @pytest.fixture

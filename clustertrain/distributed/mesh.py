@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from clustertrain.config.schema import ParallelConfig
-from clustertrain.dist.env import RankInfo
+from clustertrain.distributed.env import RankInfo
 from clustertrain.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")

@@ -10,9 +10,9 @@ import time
 
 from helpers import alive
 
-from clustertrain.dist.spawn import _libc, _rank_setup, _wait
+from clustertrain.distributed.spawn import _libc, _rank_setup, _wait
 
-LISTEN = "from clustertrain.dist.spawn import listen_early\nwith listen_early() as early: print(early.received)"
+LISTEN = "from clustertrain.distributed.spawn import listen_early\nwith listen_early() as early: print(early.received)"
 
 
 def test_a_signal_to_a_rank_before_it_listens_waits_for_it():
@@ -26,7 +26,7 @@ def test_a_signal_to_a_rank_before_it_listens_waits_for_it():
 def test_a_rank_dies_with_its_launcher():
     # The launcher starts a rank that would sleep for a minute, prints its pid, then is killed hard.
     launcher = subprocess.Popen([sys.executable, "-c", (
-        "import os, subprocess, sys, time\nfrom clustertrain.dist.spawn import _libc, _rank_setup\n"
+        "import os, subprocess, sys, time\nfrom clustertrain.distributed.spawn import _libc, _rank_setup\n"
         "rank = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
         "preexec_fn=_rank_setup(os.getpid(), _libc()))\nprint(rank.pid, flush=True)\ntime.sleep(60)"
     )], stdout=subprocess.PIPE, text=True)

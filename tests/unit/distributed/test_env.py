@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clustertrain.dist.env import RankInfo, detect_launcher, expand_hostlist
+from clustertrain.distributed.env import RankInfo, detect_launcher, expand_hostlist
 from clustertrain.errors import LaunchError
 
 # What `sbatch -N2 --ntasks-per-node=2` exports to the batch shell and inherits everywhere below.
@@ -254,7 +254,7 @@ def test_mpich_without_local_rank_outside_srun():
 
 
 def test_reads_os_environ_by_default(monkeypatch):
-    monkeypatch.setattr("clustertrain.dist.env.os.environ", torchrun_worker(1, 1, 0))
+    monkeypatch.setattr("clustertrain.distributed.env.os.environ", torchrun_worker(1, 1, 0))
     assert detect_launcher().rank == 1
 
 

@@ -1,4 +1,4 @@
-"""The collective rule: tensors reach a collective only through clustertrain.dist.collectives, built on the
+"""The collective rule: tensors reach a collective only through clustertrain.distributed.collectives, built on the
 device of the group's backend (an NCCL group has no CPU backend)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clustertrain.dist import collectives
+from clustertrain.distributed import collectives
 
 PACKAGE = Path(collectives.__file__).parents[1]
 # Collectives that move tensors or objects; barrier moves none and may be called anywhere.
@@ -19,7 +19,7 @@ COLLECTIVE = re.compile(
     r"scatter\w*|all_to_all\w*|send|recv|isend|irecv|batch_isend_irecv)\("
 )
 # Pipeline P2P moves parameters and gradients, which live on the rank's device by construction.
-ALLOWED = {"dist/collectives.py": None, "parallel/pp.py": {"send", "recv", "batch_isend_irecv"}}
+ALLOWED = {"distributed/collectives.py": None, "parallel/pp.py": {"send", "recv", "batch_isend_irecv"}}
 
 
 def test_no_module_but_collectives_calls_a_collective_on_its_own_tensors():
@@ -31,7 +31,7 @@ def test_no_module_but_collectives_calls_a_collective_on_its_own_tensors():
                 allowed = ALLOWED.get(name, set())
                 if allowed is not None and call not in allowed:
                     offenders.append(f"{name}:{lineno}: dist.{call}")
-    assert not offenders, "use clustertrain.dist.collectives instead:\n" + "\n".join(offenders)
+    assert not offenders, "use clustertrain.distributed.collectives instead:\n" + "\n".join(offenders)
 
 
 def test_the_rule_finds_a_scalar_all_reduce():

@@ -1,5 +1,5 @@
 """Every collective site of a real run, watched: each tensor handed to a torch.distributed collective by
-clustertrain comes from clustertrain.dist.collectives (or is a parameter or gradient in pipeline P2P) and
+clustertrain comes from clustertrain.distributed.collectives (or is a parameter or gradient in pipeline P2P) and
 lives on the device of its group's backend."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _watch(calls: list) -> None:
     import torch
     import torch.distributed as dist
 
-    from clustertrain.dist.collectives import group_device
+    from clustertrain.distributed.collectives import group_device
 
     def wrap(name, original):
         def watched(*args, **kwargs):
@@ -61,7 +61,7 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> N
 
 
 def run_watched(tmp_path: Path, overrides: list[str]) -> list[dict]:
-    from clustertrain.dist.spawn import free_port
+    from clustertrain.distributed.spawn import free_port
 
     for attempt in range(3):  # the free port can be taken before rank 0 binds it: then the run fails at once
         try:
@@ -80,7 +80,7 @@ def test_every_collective_site_of_a_sharded_run_uses_the_group_device(tmp_path):
                                    "train.eval_batches=1", "checkpoint.every=2", "data.audit=true",
                                    "train.sample_tokens=4"])
     assert [c for c in calls if c["wrong_device"]] == []
-    assert {c["module"] for c in calls} == {"dist/collectives.py"}
+    assert {c["module"] for c in calls} == {"distributed/collectives.py"}
     sites = {c["site"] for c in calls}
     for site in ["trainer.build", "step.count_tokens", "step.global_mean_loss", "trainer._data_metrics",
                  "trainer._evaluate", "manager.agreed", "loader.state_dict", "audit.record"]:
@@ -93,5 +93,5 @@ def test_every_collective_site_of_a_pipeline_run_uses_the_group_device(tmp_path)
     assert [c for c in calls if c["wrong_device"]] == []
     p2p = {c["name"] for c in calls if c["module"] == "parallel/pp.py"}
     assert p2p == {"send", "recv", "batch_isend_irecv"}  # tied weights, then their gradients
-    assert {c["module"] for c in calls} == {"dist/collectives.py", "parallel/pp.py"}
+    assert {c["module"] for c in calls} == {"distributed/collectives.py", "parallel/pp.py"}
     assert {"step.clip_grad_norm", "trainer._evaluate", "step.global_mean_loss"} <= {c["site"] for c in calls}

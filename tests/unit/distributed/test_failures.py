@@ -1,13 +1,13 @@
 """Which rank's error is reported and who shows it, over an in-memory store standing in for the process group's
-(the real thing, with 2 ranks and gloo, is tests/dist/test_rank_errors.py)."""
+(the real thing, with 2 ranks and gloo, is tests/distributed/test_rank_errors.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
 
-from clustertrain.dist import failures
-from clustertrain.dist.failures import PeerFailed, RankFailure
+from clustertrain.distributed import failures
+from clustertrain.distributed.failures import PeerFailed, RankFailure
 from clustertrain.errors import DataError
 
 GLOO = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242\nmore")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from clustertrain.config.schema import ParallelConfig
-from clustertrain.dist.env import RankInfo
-from clustertrain.dist.mesh import degrees
+from clustertrain.distributed.env import RankInfo
+from clustertrain.distributed.mesh import degrees
 from clustertrain.errors import ConfigError
 
 

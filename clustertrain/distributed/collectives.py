@@ -4,7 +4,7 @@ An NCCL group (RCCL on ROCm) has no CPU backend: a scalar made with `torch.tenso
 and fails there with "No backend type associated with device type cpu"; a gloo group takes CPU tensors.
 So every count, loss, norm, memory figure and stop flag that ranks agree on goes through this module,
 which builds its tensors on `group_device(group)`; no other module calls a torch.distributed collective
-on a tensor it built itself (tests/unit/dist/test_collectives.py reads the package's source to keep it so).
+on a tensor it built itself (tests/unit/distributed/test_collectives.py reads the package's source to keep it so).
 
     set_rank_device(device)                               # once, when the process group starts
     tokens = all_reduce(local_tokens, group=mesh.dp_group)  # a tensor on the group's device
@@ -24,7 +24,7 @@ _rank_device = torch.device("cpu")
 
 
 def set_rank_device(device: torch.device) -> None:
-    """Record this rank's one device (chosen once, by clustertrain.dist.init)."""
+    """Record this rank's one device (chosen once, by clustertrain.distributed.init)."""
     global _rank_device
     _rank_device = device
 

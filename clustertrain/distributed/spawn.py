@@ -148,7 +148,7 @@ def _kill(procs: list[subprocess.Popen], grace_s: float = 0) -> None:
 
 def _wait(procs: list[subprocess.Popen]) -> int:
     """Wait for the ranks; at the first that fails, stop the others and return its exit code. The ranks report
-    their own errors (clustertrain/dist/failures.py); a rank killed by a signal cannot, so this says it."""
+    their own errors (clustertrain/distributed/failures.py); a rank killed by a signal cannot, so this says it."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from clustertrain.config.schema import ParallelConfig
-from clustertrain.dist.collectives import set_rank_device
-from clustertrain.dist.env import RankInfo
+from clustertrain.distributed.collectives import set_rank_device
+from clustertrain.distributed.env import RankInfo
 from clustertrain.errors import ConfigError
 
 T = TypeVar("T")
