@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from clustertrain.checkpoint.base import check_base
 from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, agree, check_fits, load_state,
                                             open_checkpoint, read_rng)
 from clustertrain.errors import CheckpointError
@@ -54,16 +55,17 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], optimizer, async_group=None,
-                 writer: dcp.FileSystemWriter | None = None):
+                 writer: dcp.FileSystemWriter | None = None, trainable_only: bool = False):
     """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
 
     `model` may be a rank's list of pipeline stages, with its StageOptimizers: their state dicts, keyed by
-    full-model names, are saved as one. With `async_group` (a process group of its own, so background
-    collectives never interleave with training's) the writes go on in the background and a Future is
-    returned; otherwise None, when done. An async save stages the shards into host memory before it returns;
-    a `writer` made with `cache_staged_state_dict=True` keeps that host copy in pinned memory for every save
-    (a fast device-to-host copy; the writer must be reused). Tests only: CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S
-    slows a save made without `writer` (see SlowedWriter).
+    full-model names, are saved as one. `trainable_only` (LoRA on a snapshot) leaves out the frozen parameters,
+    which the train state's base reference (`clustertrain.checkpoint.base`) stands for. With `async_group` (a
+    process group of its own, so background collectives never interleave with training's) the writes go on in
+    the background and a Future is returned; otherwise None, when done. An async save stages the shards into
+    host memory before it returns; a `writer` made with `cache_staged_state_dict=True` keeps that host copy in
+    pinned memory for every save (a fast device-to-host copy; the writer must be reused). Tests only:
+    CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S slows a save made without `writer` (see SlowedWriter).
     """
     tmp = root / f".tmp-{step_dir_name(step)}"
     if dist.get_rank() == 0:
@@ -72,7 +74,8 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
     dist.barrier()
     _write_json(tmp / f"rng-{dist.get_rank()}.json", rng_state())
     parts = _parts(model, optimizer)
-    states = [get_state_dict(module, optim) for module, optim in parts]
+    options = StateDictOptions(ignore_frozen_params=trainable_only)
+    states = [get_state_dict(module, optim, options=options) for module, optim in parts]
     state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
              "optim": _merge_optim([_rename_optim_state(optim_state, _tied_copies(module))
                                     for (module, _), (_, optim_state) in zip(parts, states)])}
@@ -163,11 +166,14 @@ def _step(path: Path) -> int:
     return int(STEP_DIR.match(path.name).group(1))
 
 
-def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer) -> dict[str, Any]:
+def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer,
+                    snapshot: Path | None = None) -> dict[str, Any]:
     """Load a checkpoint into this run's (possibly differently sharded) model and optimizer.
 
     `model` may be a rank's list of pipeline stages, with its StageOptimizers (see write_shards). Every rank
     calls this. Nothing is loaded before every file the load needs and every tensor's shape have been checked.
+    A LoRA checkpoint that holds only what trains (its train state has a `base`) is loaded over the frozen base
+    already in `model`, which must come from `snapshot`, the base it was trained on.
 
     Raises:
         CheckpointError: one line, the same on every rank: a damaged file (ending with `--resume PATH` of the
@@ -186,13 +192,27 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer) -
     problem = agree(problem)
     if problem:
         raise with_hint(problem, path, resume=True)
+    base = opened.train_state.get("base")
+    if base is not None:
+        if snapshot is None:
+            raise CheckpointError(f"{path} holds only LoRA adapters over the base {base['path']}; set model.path "
+                                  "to that snapshot to resume it")
+        problem = None
+        try:  # every rank reads the snapshot: agree on one line
+            check_base(base, path, snapshot)
+        except CheckpointError as e:
+            problem = str(e)
+        problem = agree(problem)
+        if problem:
+            raise CheckpointError(problem)
+    options = StateDictOptions(ignore_frozen_params=base is not None, strict=base is None)
     has_optim = any(k.startswith("optim.") for k in opened.metadata.state_dict_metadata)
     parts = _parts(model, optimizer)
     if optimizer is None or not has_optim:  # an imported HF model: weights only, fresh optimizer
-        model_states = [get_state_dict(module, [])[0] for module, _ in parts]
+        model_states = [get_state_dict(module, [], options=options)[0] for module, _ in parts]
         state = {"model": {k: v for model_state in model_states for k, v in model_state.items()}}
     else:
-        states = [get_state_dict(module, optim) for module, optim in parts]
+        states = [get_state_dict(module, optim, options=options) for module, optim in parts]
         renamed = [_rename_optim_state(optim_state, _tied_copies(module))
                    for (module, _), (_, optim_state) in zip(parts, states)]
         state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
@@ -204,7 +224,7 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer) -
         raise with_hint(str(e), path, resume=True) from None
     if "optim" not in state:
         for (module, _), model_state in zip(parts, model_states):
-            set_state_dict(module, [], model_state_dict=model_state, optim_state_dict={})
+            set_state_dict(module, [], model_state_dict=model_state, optim_state_dict={}, options=options)
         return opened.train_state
     loaded = state["optim"]
     for (module, optim), (model_state, _), own in zip(parts, states, renamed):
@@ -214,7 +234,7 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer) -
         optim_state = {"state": {k: loaded["state"][k] for k in own["state"]}, "param_groups": groups}
         copies = _tied_copies(module)
         optim_state = _rename_optim_state(optim_state, {v: k for k, v in copies.items()})
-        set_state_dict(module, optim, model_state_dict=model_state, optim_state_dict=optim_state)
+        set_state_dict(module, optim, model_state_dict=model_state, optim_state_dict=optim_state, options=options)
     return opened.train_state
 
 

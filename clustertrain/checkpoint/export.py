@@ -1,37 +1,47 @@
 """Convert between training checkpoints (DCP folders) and Hugging Face model directories, on one CPU process.
 
     clustertrain export runs/tiny-llama/checkpoints/step-0000300 exports/tiny-llama
+    clustertrain export runs/lora-sft exports/merged --merge --dtype bf16
     clustertrain import exports/tiny-llama runs/imported/checkpoints/step-0000000
 
-Both directions hold the whole model in fp32 CPU memory once; neither needs a process group, and
-optimizer state is never read (export) or written (import).
+Export streams: it holds one tensor at a time, written in the dtype asked for (`--dtype`, default the run's
+`parallel.param_dtype`). Import holds the model once in fp32. Neither needs a process group, and optimizer
+state is never read (export) or written (import).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
 import shutil
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.utils.hub import convert_file_size_to_int
 
+from clustertrain.checkpoint.base import check_base
+from clustertrain.checkpoint.compat import write_legacy_config, write_portable_tokenizer_class
 from clustertrain.checkpoint.dcp import latest_checkpoint, with_hint
-from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, check_fits, first_line, load_state,
-                                            open_checkpoint)
+from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, OpenedCheckpoint, check_fits, first_line,
+                                            load_state, open_checkpoint)
+from clustertrain.checkpoint.stream import (Snapshot, check_checkpoint_fits, load_adapters, plan_entries,
+                                            write_adapter, write_weights)
 from clustertrain.config.load import dump_config, load_config, validate
 from clustertrain.config.schema import DataConfig, RunConfig
 from clustertrain.errors import CheckpointError
 from clustertrain.model.load import build_hf_config, build_meta_model
-from clustertrain.model.weights import init_weights, refusal
+from clustertrain.model.weights import init_weights, load_pretrained, refusal
 
 # Config fields that describe the file rather than the model; they never go into model.config.
 _FILE_FIELDS = {"architectures", "dtype", "torch_dtype", "transformers_version", "model_type", "auto_map"}
@@ -54,14 +64,33 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"{path} is not a complete clustertrain checkpoint (no {TRAIN_STATE}) nor a run with one")
 
 
-def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, RunConfig]:
-    """Build the checkpoint's model on CPU in fp32 and load its weights, without a process group.
+@dataclass
+class Checkpoint:
+    """What an export or a load needs of a checkpoint before any tensor is read."""
 
-    Args:
-        ckpt_dir: a `step-NNNNNNN/` folder, or a run directory (its newest complete checkpoint).
+    path: Path
+    opened: OpenedCheckpoint
+    config: RunConfig
+    hf_config: PretrainedConfig
+    tokenizer: Any
+    base: Path | None  # the snapshot of a LoRA checkpoint's frozen base, checked; None: all weights are in it
 
-    Returns:
-        (model in eval mode, tokenizer or None, the run's resolved config).
+    @property
+    def train_dtype(self) -> torch.dtype:
+        """The run's compute dtype (`parallel.param_dtype`): its frozen LoRA base was stored in it."""
+        return getattr(torch, self.config.parallel.param_dtype)
+
+    def meta_model(self) -> nn.Module:
+        """The checkpoint's model on the meta device, LoRA-wrapped if it was, its frozen base in the train dtype."""
+        return build_meta_model(self.hf_config, self.config.lora, self.train_dtype)
+
+
+def open_for_export(ckpt_dir: str | Path) -> Checkpoint:
+    """Check a checkpoint (a `step-N/` folder or a run directory's newest) and read its config and tokenizer.
+
+    Raises:
+        CheckpointError: one line: the checkpoint is damaged or incomplete, or a LoRA checkpoint's base is missing
+            or is not the snapshot it was trained on.
     """
     path = resolve_checkpoint(ckpt_dir)
     try:
@@ -79,27 +108,50 @@ def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, R
     else:  # An imported model pins its vocab_size, which may be below data.vocab_size's floor.
         vocab_size = config.model.config.get("vocab_size", config.data.vocab_size)
         hf_config = build_hf_config(config.model, tokenizer, vocab_size)
-    model = build_meta_model(hf_config, config.lora)
+    base = opened.train_state.get("base")
+    base_dir = check_base(base, path) if base else None
+    return Checkpoint(path, opened, config, hf_config, tokenizer, base_dir)
+
+
+def load_checkpoint_model(ckpt_dir: str | Path) -> tuple[PreTrainedModel, Any, RunConfig]:
+    """Build the checkpoint's model on CPU in fp32 and load its weights, without a process group.
+
+    A LoRA checkpoint that holds only its adapters gets its frozen base from the snapshot it refers to, rounded
+    to the run's compute dtype as training stored it.
+
+    Args:
+        ckpt_dir: a `step-NNNNNNN/` folder, or a run directory (its newest complete checkpoint).
+
+    Returns:
+        (model in eval mode, tokenizer or None, the run's resolved config).
+    """
+    ckpt = open_for_export(ckpt_dir)
+    model = ckpt.meta_model()
     init_weights(model, torch.device("cpu"), seed=0)  # also fills non-persistent buffers (rotary tables)
-    state = {"model": get_model_state_dict(model)}
-    check_fits(path, opened.metadata, state)
+    if ckpt.base is not None:
+        load_pretrained(model, ckpt.base)
+    options = StateDictOptions(ignore_frozen_params=ckpt.base is not None, strict=ckpt.base is None)
+    state = {"model": get_model_state_dict(model, options=options)}
+    check_fits(ckpt.path, ckpt.opened.metadata, state)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         try:
-            load_state(state, path, opened.metadata)
+            load_state(state, ckpt.path, ckpt.opened.metadata)
         except DamagedCheckpoint as e:
-            raise with_hint(str(e), path, resume=False) from None
-    set_model_state_dict(model, state["model"])
-    return model.eval(), tokenizer, config
+            raise with_hint(str(e), ckpt.path, resume=False) from None
+    set_model_state_dict(model, state["model"], options=options)
+    return model.float().eval(), ckpt.tokenizer, ckpt.config
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | int = "2GB",
-              merge: bool = False) -> Path:
-    """Write a checkpoint as a Hugging Face directory, with its tokenizer.
+              merge: bool = False, dtype: torch.dtype | None = None) -> Path:
+    """Write a checkpoint as a Hugging Face directory, with its tokenizer, streaming one shard at a time.
 
     A full model gives config, safetensors and generation config. A LoRA run gives its adapter in peft's
-    format (`adapter_config.json`, `adapter_model.safetensors`), or with `merge` the full model with the
-    adapter merged into the base weights.
+    format (`adapter_config.json` naming the base snapshot's absolute path, `adapter_model.safetensors`), or with
+    `merge` the full model with the adapter merged into the base weights, layer by layer. `dtype` (default: the
+    run's `parallel.param_dtype`) is the dtype of every written tensor. The whole model is never held in memory:
+    see `clustertrain.checkpoint.stream`.
 
     Returns:
         `out_dir`, loadable with `AutoModelForCausalLM.from_pretrained(out_dir)` (full or merged) or
@@ -109,25 +161,55 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | i
 
     out_dir = Path(out_dir)
     _refuse_non_empty(out_dir)
-    model, tokenizer, config = load_checkpoint_model(ckpt_dir)
-    adapter = is_lora(model) and not merge
-    if adapter:  # peft records where the base model is, for PeftModel / AutoPeftModel loading
-        model.peft_config["default"].base_model_name_or_path = config.model.path or config.model.hub_id
-    elif is_lora(model):
-        model = model.merge_and_unload()
+    ckpt = open_for_export(ckpt_dir)
+    dtype = dtype or ckpt.train_dtype
+    if isinstance(max_shard_size, str):
+        max_shard_size = convert_file_size_to_int(max_shard_size)
+    model = ckpt.meta_model()
+    metadata = ckpt.opened.metadata
+    check_checkpoint_fits(ckpt.path, metadata, model, base_elsewhere=ckpt.base is not None)
+    lora = is_lora(model)
 
     def write(folder: Path) -> None:
-        if adapter:
-            model.save_pretrained(folder, safe_serialization=True)
-        else:
-            model.save_pretrained(folder, safe_serialization=True, max_shard_size=max_shard_size)
-            if not (folder / "generation_config.json").exists():
-                model.generation_config.save_pretrained(folder)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process.*")
+            adapters = load_adapters(model, ckpt.path, metadata) if lora else {}
+            if lora and not merge:
+                write_adapter(model, adapters, folder, dtype, _base_path(ckpt))
+            else:
+                hf_model = model.get_base_model() if lora else model
+                snapshot = Snapshot(ckpt.base, hf_model.base_model_prefix) if ckpt.base else None
+                entries = plan_entries(model, metadata, merge=lora)
+                write_weights(entries, folder, dtype, max_shard_size, ckpt.path, metadata, snapshot, ckpt.train_dtype)
+                _write_config(hf_model, folder, dtype)
+        if ckpt.tokenizer is not None:
+            ckpt.tokenizer.save_pretrained(folder)
+            write_portable_tokenizer_class(folder)
 
-    _publish(out_dir, write)
+    try:
+        _publish(out_dir, write)
+    except DamagedCheckpoint as e:  # a shard found unreadable as it was read
+        raise with_hint(str(e), ckpt.path, resume=False) from None
     return out_dir
+
+
+def _write_config(model: PreTrainedModel, folder: Path, dtype: torch.dtype) -> None:
+    """config.json (with the 4.x keys too) and generation_config.json, as save_pretrained writes them."""
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    config.dtype = dtype
+    config.save_pretrained(folder)
+    write_legacy_config(folder)
+    model.generation_config.save_pretrained(folder)
+
+
+def _base_path(ckpt: Checkpoint) -> str:
+    """Where an adapter's base is: the snapshot's absolute path (from any directory), else the run's hub id."""
+    if ckpt.base is not None:
+        return str(ckpt.base.resolve())
+    if ckpt.config.model.path:
+        return str(Path(ckpt.config.model.path).resolve())
+    return ckpt.config.model.hub_id
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:

@@ -125,7 +125,8 @@ class CheckpointManager:
              write_extras: Callable[[Path], None], *, wait: bool = False, final: bool = False) -> Path | None:
         """Save `step`; returns the committed folder (None while an async save is still writing, or if it failed).
 
-        `final`: the run ends with this save (its budget, `train.stop_after_steps`, a stop signal), so it
+        A `train_state` with a `base` (LoRA on a snapshot) saves only the trainable weights and their optimizer
+        state. `final`: the run ends with this save (its budget, `train.stop_after_steps`, a stop signal), so it
         is waited for, and a failure raises SaveFailed whatever `checkpoint.on_error` says.
         """
         start = time.perf_counter()  # blocking time includes waiting for the previous save
@@ -134,7 +135,7 @@ class CheckpointManager:
             self._async_group = dist.new_group(backend="gloo")
         try:
             future = ckpt.write_shards(self.root, step, model, optimizer, async_group=self._async_group,
-                                       writer=self._writer)
+                                       writer=self._writer, trainable_only="base" in train_state)
         except WRITE_ERRORS as e:  # any write failure: report, keep the previous checkpoint
             self._failed(step, e, final)
             return None

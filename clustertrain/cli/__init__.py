@@ -12,26 +12,28 @@
     clustertrain import path/to/hf-model checkpoints/start      # a checkpoint to start from (--resume PATH)
     clustertrain slurm submit configs/tiny-llama.yaml --set slurm.nodes=2   # sbatch, requeued until done
     clustertrain slurm status runs/tiny-llama
+    clustertrain plot runs/tiny-llama                         # loss and tokens/s curves as a PNG
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from clustertrain.errors import UserError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import (config_cmd, data_cmd, download_cmd, eval_cmd, export_cmd, generate_cmd, slurm_cmd,
-                                  tokenizer_cmd, train_cmd, verify_cmd)
+    from clustertrain.cli import (config_cmd, data_cmd, download_cmd, eval_cmd, export_cmd, generate_cmd, plot_cmd,
+                                  slurm_cmd, tokenizer_cmd, train_cmd, verify_cmd)
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train_cmd, verify_cmd, config_cmd, data_cmd, tokenizer_cmd, export_cmd, generate_cmd, eval_cmd,
-                   download_cmd, slurm_cmd):
+                   download_cmd, slurm_cmd, plot_cmd):
         module.add_parser(commands)
     return parser
 
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command != "download":
+        work_offline()
     try:
         return args.run(args) or 0
     except UserError as e:
@@ -49,6 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+
+
+def work_offline(env: dict[str, str] = os.environ) -> None:
+    """Keep every command but `download` off the network: a model, adapter base or dataset not in the local
+    cache then fails at once, naming what to download, instead of retrying the hub. Set before transformers and
+    huggingface_hub are imported (they read it once); an explicit HF_HUB_OFFLINE=0 asks for the hub."""
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", env["HF_HUB_OFFLINE"])
 
 
 def is_rank0() -> bool:

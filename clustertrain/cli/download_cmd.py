@@ -1,13 +1,18 @@
-"""`clustertrain download REPO_ID`: stage a model or dataset in the HF cache on a machine with network.
+"""`clustertrain download REPO_ID [REPO_ID...]`: stage models or datasets in the HF cache, on a machine with network.
 
     clustertrain download Qwen/Qwen2.5-0.5B                          # into $HF_HOME/hub (HF_HUB_CACHE)
+    clustertrain download meta-llama/Llama-3.1-8B Qwen/Qwen2.5-0.5B  # several: each fetched and reported
+    clustertrain download facebook/opt-2.7b --exclude '*.bin'        # safetensors only, not both formats
+    clustertrain download meta-llama/Llama-3.1-8B --exclude 'original/*'  # not Meta's own second copy
     clustertrain download HuggingFaceFW/fineweb-edu --dataset --revision v1.4.0
     clustertrain download Qwen/Qwen2.5-0.5B --verify                 # re-hash every file, name the bad ones
     clustertrain download my-org/model --from-dir /mnt/transfer/model  # no hub: copy a directory in
 
-Files already complete are not fetched again (--force refetches). Run it on a login node with the HF_HOME the
-compute nodes use (the frontier and perlmutter presets set HF_HOME=<scratch>/huggingface); it prints the
-offline environment and the config line to train with.
+Files already complete are not fetched again (--force refetches). --include and --exclude are glob patterns
+(repeatable) as the hub client takes them (allow_patterns, ignore_patterns); a folder pattern ends with `/`.
+With several ids, one failure does not stop the others; the exit code is 2 if any failed. Run it on a login
+node with the HF_HOME the compute nodes use (the frontier and perlmutter presets set HF_HOME=<scratch>/huggingface);
+it prints the offline environment and the config line to train with.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "download", help="fetch a model or dataset into the HF cache, for compute nodes without network",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("repo_id", metavar="REPO_ID", help="a Hugging Face id, e.g. Qwen/Qwen2.5-0.5B")
-    parser.add_argument("--dataset", action="store_true", help="REPO_ID is a dataset, not a model")
+    parser.add_argument("repo_ids", nargs="+", metavar="REPO_ID", help="Hugging Face ids, e.g. Qwen/Qwen2.5-0.5B")
+    parser.add_argument("--dataset", action="store_true", help="the ids are datasets, not models")
+    parser.add_argument("--include", action="append", metavar="PATTERN",
+                        help="fetch only files matching this glob, e.g. '*.safetensors' (repeatable)")
+    parser.add_argument("--exclude", action="append", metavar="PATTERN",
+                        help="leave out files matching this glob, e.g. '*.bin' (repeatable)")
     parser.add_argument("--revision", help="a branch, tag or commit (default main)")
     parser.add_argument("--cache-dir", help="the HF hub cache to fill (default $HF_HUB_CACHE, else $HF_HOME/hub)")
     parser.add_argument("--force", action="store_true", help="fetch every file again, even if complete")
@@ -32,21 +41,44 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_download(args: argparse.Namespace) -> int:
-    from clustertrain.launch.slurm import OFFLINE_ENV
+    import sys
+
+    from clustertrain.errors import UserError
     from clustertrain.model.download import download, local_fetch
 
+    if args.from_dir and len(args.repo_ids) > 1:
+        raise UserError(f"--from-dir copies one directory, so give one REPO_ID, not {len(args.repo_ids)}")
     repo_type = "dataset" if args.dataset else "model"
     fetch = local_fetch(args.from_dir) if args.from_dir else None
-    result = download(args.repo_id, repo_type=repo_type, revision=args.revision, cache_dir=args.cache_dir,
-                      force=args.force, verify=args.verify, fetch=fetch)
-    what = f"{repo_type} {args.repo_id} ({result.files} files, {human_size(result.size_bytes)})"
-    if result.fetched:
-        print(f"downloaded {what} into {result.snapshot} (why: {result.reason}); every file hashed and recorded")
-    else:
-        checked = "every file re-hashed and matches" if result.verified else "sizes match; --verify re-hashes"
-        print(f"already complete: {what} in {result.snapshot}; {checked}; nothing fetched (--force refetches)")
+    done, failed = [], []
+    for repo_id in args.repo_ids:
+        try:
+            result = download(repo_id, repo_type=repo_type, revision=args.revision, cache_dir=args.cache_dir,
+                              force=args.force, verify=args.verify, fetch=fetch, include=args.include,
+                              exclude=args.exclude)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            failed.append(repo_id)
+            continue
+        what = f"{repo_type} {repo_id} ({result.files} files, {human_size(result.size_bytes)})"
+        if result.fetched:
+            print(f"downloaded {what} into {result.snapshot} (why: {result.reason}); every file hashed and recorded")
+        else:
+            checked = "every file re-hashed and matches" if result.verified else "sizes match; --verify re-hashes"
+            print(f"already complete: {what} in {result.snapshot}; {checked}; nothing fetched (--force refetches)")
+        done.append((repo_id, result))
+    if done:
+        print_usage(args, done)
+    if failed and len(args.repo_ids) > 1:
+        print(f"error: {len(failed)} of {len(args.repo_ids)} downloads failed: {', '.join(failed)}", file=sys.stderr)
+    return 2 if failed else 0
 
-    cache = result.cache_dir
+
+def print_usage(args: argparse.Namespace, done: list) -> None:
+    """The environment of offline compute nodes, and the config lines that find the downloads there."""
+    from clustertrain.launch.slurm import OFFLINE_ENV
+
+    cache = done[0][1].cache_dir
     where = {"HF_HOME": str(cache.parent)} if cache.name == "hub" else {"HF_HUB_CACHE": str(cache)}
     print("\nOn compute nodes (no network), export:")
     for name, value in (where | OFFLINE_ENV).items():
@@ -54,15 +86,15 @@ def run_download(args: argparse.Namespace) -> int:
     print("(`clustertrain slurm submit` exports these itself when the preset has a scratch: "
           "HF_HOME=<scratch>/huggingface)")
     print("\nand in the run config:")
-    if args.dataset:
-        print(f"  data.sources: [{{hf_name: {args.repo_id}}}]")
-        if args.revision:
-            print("  (hf_name reads the revision main points to)")
-    elif args.revision:  # model.hub_id finds the revision main points to
-        print(f"  model.path: {result.snapshot}")
-    else:
-        print(f"  model.hub_id: {args.repo_id}")
-    return 0
+    for repo_id, result in done:
+        if args.dataset:
+            print(f"  data.sources: [{{hf_name: {repo_id}}}]")
+        elif args.revision:  # model.hub_id finds the revision main points to
+            print(f"  model.path: {result.snapshot}")
+        else:
+            print(f"  model.hub_id: {repo_id}")
+    if args.dataset and args.revision:
+        print("  (hf_name reads the revision main points to)")
 
 
 def human_size(size: int) -> str:

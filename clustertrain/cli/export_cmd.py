@@ -4,6 +4,7 @@
     clustertrain export runs/tiny-llama exports/tiny-llama --max-shard-size 500MB   # newest checkpoint
     clustertrain export runs/lora-sft exports/adapter              # a LoRA run: peft adapter files
     clustertrain export runs/lora-sft exports/merged --merge       # ... or the full model, adapter merged
+    clustertrain export runs/tiny-llama exports/tiny-bf16 --dtype bf16   # default: the run's parallel.param_dtype
     clustertrain import exports/tiny-llama runs/imported/checkpoints/step-0000000
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,6 +26,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     export.add_argument("--max-shard-size", default="2GB", help="largest safetensors file, e.g. 500MB (default 2GB)")
     export.add_argument("--merge", action="store_true",
                         help="LoRA runs: write the full model with the adapter merged in (default: the adapter only)")
+    export.add_argument("--dtype", choices=sorted(DTYPES),
+                        help="dtype of the written weights (default: the run's parallel.param_dtype)")
     export.set_defaults(run=run_export)
 
     imp = commands.add_parser(
@@ -35,12 +40,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
+    import torch
     from transformers.utils import logging
 
     from clustertrain.checkpoint.export import export_hf
 
     logging.disable_progress_bar()
-    out = export_hf(args.checkpoint, args.outdir, max_shard_size=shard_size(args.max_shard_size), merge=args.merge)
+    dtype = getattr(torch, DTYPES[args.dtype]) if args.dtype else None
+    out = export_hf(args.checkpoint, args.outdir, max_shard_size=shard_size(args.max_shard_size), merge=args.merge,
+                    dtype=dtype)
     files = len(list(out.glob("*.safetensors")))
     tokenizer = "tokenizer" if (out / "tokenizer_config.json").exists() else "no tokenizer"
     if (out / "adapter_config.json").exists():

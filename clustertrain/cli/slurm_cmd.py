@@ -3,6 +3,8 @@
     clustertrain slurm render configs/frontier-llama.yaml              # print the sbatch script
     clustertrain slurm submit configs/frontier-llama.yaml --set slurm.nodes=4
     clustertrain slurm status runs/frontier-llama                      # jobs, checkpoint, progress, ETA
+    clustertrain slurm submit configs/opt-pp-lora-cpu.yaml --scaling 1,2,4,8 --steps 30  # one job per node count
+    clustertrain slurm scaling runs/opt-pp-lora-cpu                    # their tokens/s, efficiency, a PNG
 
 The script calls `slurm job-start` and `slurm job-end` itself: they record the job chain and requeue a
 run that was stopped unfinished (signal, preemption, time limit) until it is done.
@@ -29,7 +31,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. slurm.nodes=4")
         if name == "render":
             p.add_argument("-o", "--output", help="write the script here instead of printing it")
+        else:
+            p.add_argument("--scaling", metavar="NODES", help="a scaling study: the same run at each of these node "
+                           "counts (e.g. 1,2,4,8), each in <run_dir>/scaling-N<nodes>, with the same global batch")
+            p.add_argument("--steps", type=int, help="with --scaling: steps of each run (default train.steps)")
         p.set_defaults(run=run)
+
+    scaling = sub.add_parser("scaling", help="tokens/s and scaling efficiency of a --scaling study, as a table and PNG")
+    scaling.add_argument("run_dir", type=Path, help="the run directory holding the scaling-N<nodes> runs")
+    scaling.add_argument("-o", "--output", type=Path, help="the PNG to write (default RUN_DIR/scaling.png)")
+    scaling.add_argument("--warmup-steps", type=int, default=5,
+                         help="leave out the log intervals that start before this step (default 5)")
+    scaling.set_defaults(run=run_scaling)
 
     status = sub.add_parser("status", help="the job chain, newest checkpoint, progress and ETA of a run")
     status.add_argument("run_dir", type=Path)
@@ -78,12 +91,47 @@ def run_render(args: argparse.Namespace) -> int:
 
 
 def run_submit(args: argparse.Namespace) -> int:
+    from clustertrain.errors import ConfigError
+
+    if args.scaling:
+        return submit_scaling(args)
+    if args.steps is not None:
+        raise ConfigError("--steps goes with --scaling; for one run, use --set train.steps=N")
     config = _load(args)
     job_id, script = _jobs().submit(config, Path.cwd(), args.config or "the embedded default config")
     run_dir = script.parent.parent
     print(f"submitted job {job_id} ({script})")
     print(f"  follow:  clustertrain slurm status {run_dir}")
     print(f"  log:     tail -f {run_dir / 'slurm' / f'{job_id}.out'}")
+    return 0
+
+
+def submit_scaling(args: argparse.Namespace) -> int:
+    from clustertrain.errors import ConfigError
+    from clustertrain.launch.scaling import parse_counts, submit_scaling
+
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: give a positive number of steps")
+    config = _load(args)
+    counts = parse_counts(args.scaling)
+    submitted = submit_scaling(config, counts, args.steps, Path.cwd(), args.config or "the embedded default config")
+    for nodes, job_id, script in submitted:
+        print(f"submitted job {job_id}: {nodes} node(s) ({script})")
+    run_dir = submitted[0][2].parent.parent.parent
+    print(f"  report:  clustertrain slurm scaling {run_dir}   (once the jobs have run)")
+    return 0
+
+
+def run_scaling(args: argparse.Namespace) -> int:
+    from clustertrain.launch.scaling import format_table, read_scaling, require_measured
+    from clustertrain.train.plots import plot_scaling, pyplot
+
+    pyplot()  # fail before reading anything when matplotlib is missing
+    rows = read_scaling(args.run_dir, args.warmup_steps)
+    require_measured(rows, args.run_dir, args.warmup_steps)
+    print(format_table(rows))
+    out = plot_scaling(rows, args.output or args.run_dir / "scaling.png")
+    print(f"wrote {out}")
     return 0
 
 

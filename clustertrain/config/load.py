@@ -33,6 +33,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raw.setdefault("name", Path(path).stem)
     parsed = [parse_override(item) for item in overrides]
     _keep_default_model_fields(raw, [key for key, _ in parsed])
+    _one_batch_form(raw, [key for key, _ in parsed])
     for key, value in parsed:
         set_dotted(raw, key, value)
     return validate(raw)
@@ -48,6 +49,17 @@ def _keep_default_model_fields(raw: dict[str, Any], keys: list[str]) -> None:
     defaults = ModelConfig()
     if model.get("arch", defaults.arch) == defaults.arch:
         raw.setdefault("model", {})["config"] = dict(defaults.config)
+
+
+def _one_batch_form(raw: dict[str, Any], keys: list[str]) -> None:
+    """`--set train.global_batch_size=64` on a file that gives the batch per rank (grad_accum) replaces that form,
+    and `--set train.grad_accum=4` replaces a file's global batch: the schema takes one form at a time."""
+    train = raw.get("train")
+    if not isinstance(train, dict):
+        return
+    for given, other in (("global_batch_size", "grad_accum"), ("grad_accum", "global_batch_size")):
+        if f"train.{given}" in keys and f"train.{other}" not in keys:
+            train.pop(other, None)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:

@@ -228,7 +228,8 @@ class ParallelConfig(Section):
     )
     microbatches: int | None = Field(
         None, gt=0, description="Microbatches per step with pp > 1: each rank's share of the global batch is split into "
-        "this many (must divide it); default: pp. Replaces train.micro_batch_size under pipeline parallelism.",
+        "this many (must divide it); default: train.grad_accum when given, else pp. Replaces train.micro_batch_size "
+        "under pipeline parallelism.",
     )
     dp_shard: int | None = Field(
         None, gt=0, description="Ranks that shard parameters (FSDP); default from `strategy`. "
@@ -324,6 +325,10 @@ class TrainConfig(Section):
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
     eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
     sample_tokens: int = Field(40, ge=0, description="Tokens of the sample generated at the end; 0 disables.")
+    sample_prompt: str | None = Field(
+        None, description="The prompt of the end-of-run sample; default: from the run's data: the prompt of the first "
+        "SFT example, or the first 16 tokens of the first document, held-out data first.",
+    )
     loss: Literal["auto", "chunked", "full"] = Field(
         "auto", description="How the output layer and cross entropy run: chunked (a slice of tokens at a time, never "
         "the whole batch's full-vocabulary fp32 logits), full (the model's logits, then the loss). auto: chunked when "

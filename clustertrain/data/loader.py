@@ -18,12 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from clustertrain.config.checks import rows_problem
 from clustertrain.data.plan import DataPlan, spec_changes
 from clustertrain.distributed.collectives import all_gather_objects
 from clustertrain.errors import ConfigError, DataError, UserError
-
-
-MAX_STREAMS_PER_RANK = 1 << 16
 
 
 class _RankStreams(IterableDataset):
@@ -51,18 +49,10 @@ class StreamLoader:
     def __init__(self, plan: DataPlan, dp_rank: int, dp_size: int, num_workers: int = 0, split: str = "train"):
         self.plan, self.split, self.num_workers = plan, split, num_workers
         self.num_streams = plan.num_streams  # one stream per row of the global batch
-        if self.num_streams % dp_size:
-            raise ConfigError(
-                f"train.global_batch_size = {self.num_streams} is not divisible by the {dp_size} data-parallel "
-                f"ranks; use a multiple of {dp_size}"
-            )
+        problem = rows_problem(self.num_streams, dp_size)  # checked at start too; callers here get the same line
+        if problem:  # before the streams exist: each keeps a reader and a window of documents
+            raise ConfigError(problem)
         per_rank = self.num_streams // dp_size
-        if per_rank > MAX_STREAMS_PER_RANK:  # before allocating them: each keeps a reader and a window of documents
-            raise ConfigError(
-                f"train.global_batch_size = {self.num_streams:,} puts {per_rank:,} sequences of every step on each of "
-                f"the {dp_size} data-parallel ranks; at most {MAX_STREAMS_PER_RANK:,} per rank (each is a data stream "
-                "with its own position): lower it or use more ranks"
-            )
         self.stream_ids = list(range(dp_rank * per_rank, (dp_rank + 1) * per_rank))
         self.states: dict[int, Any] = {}
         self.batches = 0

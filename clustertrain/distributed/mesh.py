@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from clustertrain.config.checks import resolve_degrees
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.env import RankInfo
-from clustertrain.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -72,48 +72,9 @@ class Mesh:
 
 
 def degrees(parallel: ParallelConfig, info: RankInfo) -> tuple[int, int, int, int]:
-    """(pp, dp_replicate, dp_shard, tp): set degrees as given; the data-parallel ones default from the strategy."""
-    world, model_parallel = info.world_size, parallel.pp * parallel.tp
-    if world % model_parallel:
-        raise ConfigError(f"parallel.pp × parallel.tp = {parallel.pp} × {parallel.tp} does not divide the {world} "
-                          f"ranks; use pp × tp in {_divisors(world)}")
-    dp = world // model_parallel
-    replicate, shard = parallel.dp_replicate, parallel.dp_shard
-    if replicate is None and shard is None:
-        replicate, shard = _strategy_split(parallel, info, dp)
-    elif replicate is None:
-        replicate = dp // shard if dp % shard == 0 else 0
-    elif shard is None:
-        shard = dp // replicate if dp % replicate == 0 else 0
-    if replicate * shard != dp:
-        raise ConfigError(
-            f"parallel: pp {parallel.pp} × dp_replicate {parallel.dp_replicate or '?'} × dp_shard "
-            f"{parallel.dp_shard or '?'} × tp {parallel.tp} must equal the {world} ranks; with pp {parallel.pp} and "
-            f"tp {parallel.tp}, dp_replicate × dp_shard must be {dp} (each one of {_divisors(dp)})"
-        )
-    if parallel.strategy == "ddp" and shard > 1:
-        raise ConfigError(f"parallel.dp_shard = {shard} shards, but parallel.strategy is ddp; "
-                          "use zero2, zero3 or a hybrid strategy, or dp_shard 1")
-    return parallel.pp, replicate, shard, parallel.tp
-
-
-def _strategy_split(parallel: ParallelConfig, info: RankInfo, dp: int) -> tuple[int, int]:
-    """(dp_replicate, dp_shard) for the strategy: DDP replicates, zero shards, hybrid does both."""
-    if parallel.strategy == "ddp":
-        return dp, 1
-    if not parallel.strategy.startswith("hybrid"):
-        return 1, dp
-    shard = parallel.hybrid_shard_size or max(1, info.local_world_size // (parallel.pp * parallel.tp))
-    if dp % shard:
-        raise ConfigError(
-            f"parallel.hybrid_shard_size = {shard} does not divide the {dp} data-parallel ranks; use one of "
-            f"{_divisors(dp)}"
-        )
-    return dp // shard, shard
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """(pp, dp_replicate, dp_shard, tp) of this run: clustertrain.config.checks works them out (and the trainer
+    has checked them, with the rest of the config, before the process group started)."""
+    return resolve_degrees(parallel, info.world_size, info.local_world_size)
 
 
 def build_mesh(parallel: ParallelConfig, info: RankInfo, device_type: str) -> Mesh:

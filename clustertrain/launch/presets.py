@@ -27,7 +27,13 @@ class Preset(BaseModel):
     partition: str | None = None
     qos: str | None = None
     gpus_per_node: int = Field(0, ge=0)
-    cpus_per_task: int = Field(1, gt=0)
+    cpus_per_task: int | None = Field(
+        None, gt=0, description="CPU cores per rank; unset: cores_per_node / ranks per node (1 on GPU nodes)."
+    )
+    cores_per_node: int | None = Field(
+        None, gt=0, description="Usable cores per node; unset on CPU-only nodes: the job takes whole nodes "
+        "(--exclusive) and counts them at run time (SLURM_CPUS_ON_NODE)."
+    )
     sbatch: dict[str, str | int | bool] = Field(default_factory=dict)
     srun: list[str] = Field(default_factory=list, description="Extra srun options of the training step.")
     modules: list[str] = Field(default_factory=list)

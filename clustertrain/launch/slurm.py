@@ -27,7 +27,7 @@ class JobSpec:
     nodes: int
     gpus_per_node: int
     tasks_per_node: int
-    cpus_per_task: int
+    cpus_per_task: int | None  # None: the node's cores / tasks_per_node, counted by the job script at run time
     partition: str | None
     qos: str | None
     modules: list[str]
@@ -45,14 +45,19 @@ def job_spec(slurm: SlurmConfig, preset: Preset | None = None) -> JobSpec:
     """Merge the preset (named by `slurm.preset` unless given) with the config's own slurm keys."""
     preset = preset or load_preset(slurm.preset)
     gpus = preset.gpus_per_node if slurm.gpus_per_node is None else slurm.gpus_per_node
+    tasks = slurm.tasks_per_node or max(gpus, 1)
     cpus = slurm.cpus_per_task or preset.cpus_per_task
-    env = {**OFFLINE_ENV, "OMP_NUM_THREADS": str(cpus)}
+    if cpus is None and preset.cores_per_node:
+        cpus = max(1, preset.cores_per_node // tasks)
+    if cpus is None and gpus:
+        cpus = 1  # a GPU rank's threads only feed its GPU
+    env = {**OFFLINE_ENV, "OMP_NUM_THREADS": str(cpus) if cpus else "${cpus_per_task}"}
     if preset.scratch:
         env |= {"CLUSTERTRAIN_CACHE": f"{preset.scratch}/clustertrain", "HF_HOME": f"{preset.scratch}/huggingface"}
     return JobSpec(
         nodes=slurm.nodes,
         gpus_per_node=gpus,
-        tasks_per_node=slurm.tasks_per_node or max(gpus, 1),
+        tasks_per_node=tasks,
         cpus_per_task=cpus,
         partition=slurm.partition or preset.partition,
         qos=slurm.qos or preset.qos,
@@ -108,6 +113,15 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
         "# or with `sbatch` on this file. Follow it with `clustertrain slurm status RUN_DIR`.",
     ]
     lines += [f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)]
+    if spec.cpus_per_task is None:
+        lines += [
+            "",
+            f"# CPU-only nodes: the {spec.tasks_per_node} rank(s) of a node share its cores, each taking cores / "
+            f"{spec.tasks_per_node} as its CPUs",
+            "# and OMP_NUM_THREADS (--exclusive gives the job every core of its nodes; Slurm counts them here).",
+            f"cpus_per_task=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {spec.tasks_per_node} ))",
+            '[ "$cpus_per_task" -ge 1 ] || cpus_per_task=1',
+        ]
     lines += [
         "",
         "# Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from",
@@ -136,24 +150,27 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
         "",
     ]
     train = " ".join(map(q, ["-m", "clustertrain", "train", *train_args]))
+    # srun takes --cpus-per-task itself: since Slurm 22.05 it no longer inherits sbatch's
+    per_rank = spec.cpus_per_task or '"$cpus_per_task"'
     if slurm.launcher == "srun":
-        srun = ["srun", f"--ntasks-per-node={spec.tasks_per_node}", f"--cpus-per-task={spec.cpus_per_task}",
-                *spec.srun, "--kill-on-bad-exit=1"]
+        srun = [*map(q, ["srun", f"--ntasks-per-node={spec.tasks_per_node}"]), f"--cpus-per-task={per_rank}",
+                *map(q, [*spec.srun, "--kill-on-bad-exit=1"])]
         lines += [
             "# One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.",
-            " ".join(map(q, srun)) + ' \\',
+            " ".join(srun) + ' \\',
             f'    "$python" {train} &',
         ]
     else:
-        srun = ["srun", "--ntasks-per-node=1", f"--cpus-per-task={spec.cpus_per_task * spec.tasks_per_node}",
-                "--kill-on-bad-exit=1"]
+        per_node = (spec.cpus_per_task * spec.tasks_per_node if spec.cpus_per_task
+                    else f'"$(( cpus_per_task * {spec.tasks_per_node} ))"')
+        srun = ["srun", "--ntasks-per-node=1", f"--cpus-per-task={per_node}", "--kill-on-bad-exit=1"]
         lines += [
             "# One task per node running torchrun; torchrun passes USR1 on to its ranks and waits for their save.",
             'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
             "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
             "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={slurm.signal_before}",
-            " ".join(map(q, srun)) + ' \\',
+            " ".join(srun) + ' \\',
             f'    "$python" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" '
             f"--nproc-per-node={spec.tasks_per_node} \\",
             '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" '
@@ -194,7 +211,8 @@ def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Pa
         "nodes": spec.nodes,
         "ntasks-per-node": per_node,
         "gpus-per-node": spec.gpus_per_node or None,
-        "cpus-per-task": spec.cpus_per_task * spec.tasks_per_node // per_node,
+        "cpus-per-task": spec.cpus_per_task * spec.tasks_per_node // per_node if spec.cpus_per_task else None,
+        "exclusive": spec.cpus_per_task is None,  # whole nodes, whose cores the script counts
         "time": slurm.time,
         "output": slurm.output or str(run_dir / "slurm" / "%j.out"),
         "open-mode": "append",  # a requeued job keeps its id and its log: append, do not overwrite

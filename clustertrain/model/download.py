@@ -3,6 +3,8 @@
 A download counts as complete once its manifest exists: each file's size and sha256, written to
 `<repo folder>/clustertrain-manifests/<commit>.json` after every file was checked against the hash the hub
 named its blob by (sha256 for LFS files, git sha1 for the rest). Later calls compare sizes; `verify` re-hashes.
+A download limited by glob patterns (`include`/`exclude`, the hub client's allow/ignore patterns) records
+them: a later call with other patterns fetches again, one with the same patterns (or after a full download) does not.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 from clustertrain.errors import DataError
 
-Fetch = Callable[[str, str, "str | None", Path, bool], Path]  # (repo_id, repo_type, revision, cache, force) -> snapshot
+# fetch(repo_id, repo_type, revision, cache, force, include=[...] | None, exclude=[...] | None) -> snapshot
+Fetch = Callable[..., Path]
 MANIFESTS = "clustertrain-manifests"
 _SHA256, _GIT_SHA1 = re.compile(r"[0-9a-f]{64}"), re.compile(r"[0-9a-f]{40}")
 
@@ -46,27 +49,34 @@ def hub_cache(cache_dir: str | Path | None = None) -> Path:
 def download(
     repo_id: str, *, repo_type: str = "model", revision: str | None = None, cache_dir: str | Path | None = None,
     force: bool = False, verify: bool = False, fetch: Fetch | None = None,
+    include: list[str] | None = None, exclude: list[str] | None = None,
 ) -> Download:
     """Fetch `repo_id` into the HF cache unless a complete copy is there; `verify` re-hashes a cached copy.
 
-    `fetch` defaults to the hub (`hub_fetch`); `local_fetch(DIR)` copies a directory instead.
+    `fetch` defaults to the hub (`hub_fetch`); `local_fetch(DIR)` copies a directory instead. `include` and
+    `exclude` are glob patterns of the files to fetch or leave out (e.g. `*.bin` where safetensors exist).
     Raises DataError naming each missing or corrupt file.
     """
     cache = hub_cache(cache_dir)
+    patterns = {"include": include or None, "exclude": exclude or None}
     snapshot = cached_snapshot(repo_id, repo_type, revision, cache)
     manifest = read_manifest(snapshot) if snapshot else None
     problems = file_problems(snapshot, manifest) if snapshot and manifest else {}
+    recorded = read_patterns(snapshot) if manifest else {}
     reason = ("--force" if force else "not in the cache" if snapshot is None
               else "no manifest (an interrupted download, or one by another tool)" if manifest is None
-              else f"incomplete: {_listed(problems)}" if problems else "")
+              else f"incomplete: {_listed(problems)}" if problems
+              else f"the cached copy holds only {_shown(recorded)}" if any(recorded.values()) and recorded != patterns
+              else "")
     if reason:
         for name in problems:  # drop the file and its blob, so that a fetch without --force replaces them
             path = snapshot / name
             if path.is_symlink():
                 Path(os.path.realpath(path)).unlink(missing_ok=True)
             path.unlink(missing_ok=True)
-        snapshot = (fetch or hub_fetch)(repo_id, repo_type, revision, cache, force)
-        manifest = write_manifest(snapshot)  # hashes every file: a fresh download is verified here
+        given = {name: globs for name, globs in patterns.items() if globs}
+        snapshot = (fetch or hub_fetch)(repo_id, repo_type, revision, cache, force, **given)
+        manifest = write_manifest(snapshot, patterns)  # hashes every file: a fresh download is verified here
     elif verify and (problems := file_problems(snapshot, manifest, rehash=True)):
         command = download_command(repo_id, repo_type, revision)
         raise DataError(f"{repo_id} in {snapshot}: {_listed(problems)}; fetch it again with: {command} --force")
@@ -90,6 +100,25 @@ def resolve_hub_id(hub_id: str, cache_dir: str | Path | None = None, revision: s
     return snapshot
 
 
+def check_adapter_base(adapter_dir: Path, cache_dir: str | Path | None = None) -> None:
+    """Refuse in one line an adapter whose base model is a hub id missing from the local HF cache, before peft
+    and transformers look for it (offline they fail with "couldn't connect", online they retry the hub)."""
+    try:
+        base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # peft names the problem itself
+    if not isinstance(base, str) or any(Path(where, base).expanduser().is_dir() for where in (".", adapter_dir)):
+        return
+    cache = hub_cache(cache_dir)
+    try:
+        if cached_snapshot(base, "model", None, cache) is not None:
+            return
+    except DataError:  # not a hub id either: a missing folder, which the loader names
+        return
+    raise DataError(f"{adapter_dir}: its base model '{base}' is neither a folder here nor in the Hugging Face cache "
+                    f"{cache}; fetch it on a machine with network (same HF_HOME): {download_command(base)}")
+
+
 def cached_snapshot(repo_id: str, repo_type: str, revision: str | None, cache: Path) -> Path | None:
     """The cached snapshot of `revision` (default main), or None; never touches the network."""
     from huggingface_hub import snapshot_download
@@ -104,7 +133,8 @@ def cached_snapshot(repo_id: str, repo_type: str, revision: str | None, cache: P
         raise DataError(f"'{repo_id}' is not a Hugging Face id: {_first_line(e)}") from None
 
 
-def hub_fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool) -> Path:
+def hub_fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool,
+              include: list[str] | None = None, exclude: list[str] | None = None) -> Path:
     """Download a snapshot with the hub client (its own progress bars); `force` re-downloads every file."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
@@ -113,7 +143,7 @@ def hub_fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, f
         raise DataError(f"HF_HUB_OFFLINE is set, so {repo_id} cannot be downloaded; unset it on a machine with network")
     try:
         return Path(snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache,
-                                      force_download=force))
+                                      force_download=force, allow_patterns=include, ignore_patterns=exclude))
     except GatedRepoError:
         problem = "is gated: accept its terms on huggingface.co, then log in with `hf auth login`"
     except RepositoryNotFoundError:
@@ -129,17 +159,20 @@ def local_fetch(source: str | Path) -> Fetch:
     if not source.is_dir():
         raise DataError(f"--from-dir {source} is not a directory")
 
-    def fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool) -> Path:
+    def fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool,
+              include: list[str] | None = None, exclude: list[str] | None = None) -> Path:
         from huggingface_hub.file_download import repo_folder_name
+        from huggingface_hub.utils import filter_repo_objects  # the hub client's own pattern matching
 
         repo = cache / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
         (repo / "blobs").mkdir(parents=True, exist_ok=True)
+        names = [p.relative_to(source).as_posix() for p in sorted(source.rglob("*")) if p.is_file()]
+        names = [n for n in names if not n.startswith((".git/", ".cache/"))]
         blobs = {}  # always copied, force or not: hashing the source costs as much as copying it
-        for path in sorted(p for p in source.rglob("*") if p.is_file()):
-            if not (name := path.relative_to(source).as_posix()).startswith((".git/", ".cache/")):
-                incoming = repo / "blobs" / f".incoming-{os.getpid()}"
-                blobs[name] = _sha256(path, copy_to=incoming)
-                os.replace(incoming, repo / "blobs" / blobs[name])
+        for name in filter_repo_objects(names, allow_patterns=include, ignore_patterns=exclude):
+            incoming = repo / "blobs" / f".incoming-{os.getpid()}"
+            blobs[name] = _sha256(source / name, copy_to=incoming)
+            os.replace(incoming, repo / "blobs" / blobs[name])
         commit = revision if _GIT_SHA1.fullmatch(revision or "") else None
         if commit is None:  # a made-up commit id: the same content gives the same snapshot
             commit = hashlib.sha1(json.dumps(blobs, sort_keys=True).encode()).hexdigest()
@@ -162,8 +195,17 @@ def read_manifest(snapshot: Path) -> dict[str, dict] | None:
         return None
 
 
-def write_manifest(snapshot: Path) -> dict[str, dict]:
-    """Hash every file of a fresh snapshot, check it against its blob's name, and record the manifest."""
+def read_patterns(snapshot: Path) -> dict[str, list[str] | None]:
+    """The include/exclude patterns the snapshot's download was limited to ({} or None values: everything)."""
+    try:
+        return json.loads(_manifest_path(snapshot).read_text()).get("patterns") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def write_manifest(snapshot: Path, patterns: dict[str, list[str] | None] | None = None) -> dict[str, dict]:
+    """Hash every file of a fresh snapshot, check it against its blob's name, and record the manifest (with the
+    include/exclude patterns the download was limited to)."""
     files, problems = {}, {}
     for path in sorted(p for p in snapshot.rglob("*") if not p.is_dir()):
         name = path.relative_to(snapshot).as_posix()
@@ -177,7 +219,8 @@ def write_manifest(snapshot: Path) -> dict[str, dict]:
             problems[name] = "does not match the hash the hub gave"
     if problems:
         raise DataError(f"the download into {snapshot} is corrupt: {_listed(problems)}; fetch it again with --force")
-    _write_atomic(_manifest_path(snapshot), json.dumps({"files": files}, indent=1))
+    limited = {"patterns": patterns} if patterns and any(patterns.values()) else {}
+    _write_atomic(_manifest_path(snapshot), json.dumps({"files": files, **limited}, indent=1))
     return files
 
 
@@ -225,6 +268,10 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _shown(patterns: dict[str, list[str] | None]) -> str:
+    return ", ".join(f"--{flag} {' '.join(globs)}" for flag, globs in patterns.items() if globs)
 
 
 def _listed(problems: dict[str, str]) -> str:

@@ -68,6 +68,10 @@ def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
     from clustertrain.model.weights import refusal
 
     adapter = not (path / "config.json").is_file()
+    if adapter:
+        from clustertrain.model.download import check_adapter_base
+
+        check_adapter_base(path)
     try:
         if adapter:
             from peft import AutoPeftModelForCausalLM

@@ -25,12 +25,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from clustertrain.config.schema import ParallelConfig, RunConfig
+from clustertrain.config.checks import INTERLEAVED
+from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.mesh import Mesh
-from clustertrain.errors import ConfigError
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-INTERLEAVED = {"interleaved_1f1b"}
 
 
 def stage_indices(parallel: ParallelConfig, pp_rank: int) -> tuple[list[int], int]:
@@ -38,31 +37,6 @@ def stage_indices(parallel: ParallelConfig, pp_rank: int) -> tuple[list[int], in
     per_rank = parallel.pp_stages_per_rank if parallel.pp_schedule in INTERLEAVED else 1
     num_stages = parallel.pp * per_rank
     return list(range(pp_rank, num_stages, parallel.pp)), num_stages
-
-
-def pipeline_microbatches(cfg: RunConfig, dp_size: int) -> int:
-    """Microbatches per step: parallel.microbatches (default pp), which must divide each rank's rows.
-
-    Under interleaved_1f1b torch also runs them in rounds of pp: the count must be a multiple of
-    max(1, count // pp).
-    """
-    per_rank = cfg.train.global_batch_size // dp_size
-    pp = cfg.parallel.pp
-    count = cfg.parallel.microbatches or pp
-    interleaved = cfg.parallel.pp_schedule in INTERLEAVED
-
-    def fits(n: int) -> bool:
-        return per_rank % n == 0 and (not interleaved or n % max(1, n // pp) == 0)
-
-    if not fits(count):
-        if per_rank % count:
-            problem = (f"does not divide the {per_rank} sequences each of the {dp_size} data-parallel ranks gets per "
-                       f"step (train.global_batch_size = {cfg.train.global_batch_size})")
-        else:  # torch's ScheduleInterleaved1F1B runs max(1, n // pp) rounds of equal size
-            problem = f"is not a multiple of max(1, microbatches // pp) = {count // pp}, as interleaved_1f1b needs"
-        raise ConfigError(f"parallel.microbatches = {count} {problem}; use one of "
-                          f"{[n for n in range(1, per_rank + 1) if fits(n)]}")
-    return count
 
 
 @torch.no_grad()

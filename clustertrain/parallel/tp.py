@@ -14,7 +14,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from clustertrain.config.checks import ModelShape
+from clustertrain.config.schema import ModelConfig
 from clustertrain.errors import ConfigError
+from clustertrain.model.load import build_hf_config
+from clustertrain.parallel.stages import pipeline_plan
 
 STYLES: dict[str, ParallelStyle] = {
     "colwise": ColwiseParallel(),
@@ -52,13 +56,31 @@ def tp_plan(config) -> dict[str, str]:
     return plan
 
 
+def model_shape(model: ModelConfig, vocab_size: int) -> ModelShape:
+    """What clustertrain.config.checks needs of a model to check a layout: heads, layers, and whether tp and pp
+    can split its family. From the snapshot's config.json, or model.arch and model.config: no weights, no
+    tokenizer (`vocab_size` only completes a from-scratch config; it does not matter to the layout)."""
+    config = build_hf_config(model, None, model.config_fields.get("vocab_size", vocab_size))
+
+    def problem(plan) -> str | None:
+        try:
+            plan(config)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    heads = getattr(config, "num_attention_heads", None)
+    return ModelShape(config.model_type, heads, getattr(config, "num_key_value_heads", None) or heads,
+                      getattr(config, "num_hidden_layers", None), problem(tp_plan), problem(pipeline_plan))
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split `model`'s linears over `tp_mesh` by its plan; LoRA adapters on those linears are split to match."""
     from clustertrain.lora import is_lora
 
     hf_model = model.get_base_model() if is_lora(model) else model
     config, base, tp = hf_model.config, hf_model.base_model, tp_mesh.size()
-    _check_divisible(config, tp)
+    assert not getattr(config, "num_attention_heads", 0) % tp, "clustertrain.config.checks refuses this at start"
     plan = tp_plan(config)
     for pattern, style in plan.items():
         matched = [m for name, m in base.named_modules() if _matches(pattern, name)]
@@ -86,12 +108,3 @@ def _parallelize(module: nn.Module, style: str, tp_mesh: DeviceMesh) -> None:
 
 def _matches(pattern: str, name: str) -> bool:
     return re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), name) is not None
-
-
-def _check_divisible(config, tp: int) -> None:
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
-        if count and count % tp:
-            fits = [d for d in range(1, count + 1) if count % d == 0]
-            raise ConfigError(f"parallel.tp = {tp} does not divide the model's {count} {what}; use one of {fits}")

@@ -19,7 +19,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.checkpoint.base import base_reference
 from clustertrain.checkpoint.manager import CheckpointManager, Preempted, StopRequests
+from clustertrain.config.checks import apply_layout, resolve_layout, total_steps
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
 from clustertrain.data.audit import AuditLog
@@ -27,12 +29,12 @@ from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root, load_tokenizer
-from clustertrain.distributed.collectives import all_reduce, broadcast, reduce_values
+from clustertrain.distributed.collectives import all_reduce, reduce_values
 from clustertrain.distributed.env import RankInfo, detect_launcher
 from clustertrain.distributed.failures import PeerFailed, RankFailure, first_failure, let_peers_report
 from clustertrain.distributed.init import close_distributed, init_distributed, rank0_first
 from clustertrain.distributed.mesh import build_mesh
-from clustertrain.errors import CheckpointError, ConfigError
+from clustertrain.errors import CheckpointError
 from clustertrain.model.attention import resolve_attention
 from clustertrain.model.estimate import (check_memory_floor, count_params, model_flops_per_token, peak_flops,
                                          training_memory_floor)
@@ -40,12 +42,14 @@ from clustertrain.model.kernels import apply_kernels
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
 from clustertrain.model.weights import materialize
 from clustertrain.parallel.apply import DTYPES, autocast_dtype, data_parallel_wrapper, parallelize, unwrap
-from clustertrain.parallel.pp import Pipeline, pipeline_microbatches
+from clustertrain.parallel.pp import Pipeline
+from clustertrain.parallel.tp import model_shape
 from clustertrain.train.lock import RunLock, lock_run_dir
 from clustertrain.train.loss import apply_loss_head, output_loss_sum, resolve_loss
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.profile import StepProfiler
+from clustertrain.train.sample import data_prompt, sample_ids
 from clustertrain.train.status import write_status
 from clustertrain.train.step import (NonFiniteSteps, StepResult, autocast, global_mean_loss, pipeline_train_step,
                                      token_loss_sum, train_step)
@@ -85,12 +89,16 @@ class Trainer:
     def build(self) -> None:
         """Process group, mesh, data, model (meta -> parallelize -> materialize), optimizer, metrics."""
         cfg = self.config
+        # Every problem of this config on this many ranks, at once, before the process group starts.
+        self.layout = resolve_layout(cfg, self.info.world_size, self.info.local_world_size,
+                                     model_shape(cfg.model, cfg.data.vocab_size))
         self.device = init_distributed(cfg.parallel, self.info)
         self.rank0 = dist.get_rank() == 0
         self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
         torch.manual_seed(cfg.train.seed + dist.get_rank())
         self.mesh = build_mesh(cfg.parallel, self.info, self.device.type)
-        resolve_global_batch(cfg, self.mesh.dp_size)
+        assert self.mesh.dp_size == self.layout.dp, "the mesh and the checked layout agree"
+        apply_layout(cfg, self.layout)
 
         self.snapshot = snapshot_dir(cfg.model)
         if cfg.model.path:  # absolute in the run's config.yaml, so adapters exported from it load from anywhere
@@ -106,11 +114,7 @@ class Trainer:
         self.epoch_steps = self._resolve_epochs()
         self.profiler = StepProfiler(cfg.metrics.profile, total_steps(cfg), self.run_dir / "profile", self.device,
                                      dist.get_rank(), log=lambda line: self.logger.info(line))
-        if cfg.parallel.pp > 1:
-            self.microbatches = pipeline_microbatches(cfg, self.mesh.dp_size)
-            self.micro_batch_size = cfg.train.global_batch_size // self.mesh.dp_size // self.microbatches
-        else:
-            self.micro_batch_size = micro_batch_size(cfg, self.mesh.dp_size)
+        self.micro_batch_size, self.microbatches = self.layout.micro_batch, self.layout.grad_accum
         self.audit = AuditLog(self.run_dir / "samples.jsonl", self.plan.labels) if cfg.data.audit else None
         self.mixture: Counter = Counter()
 
@@ -202,7 +206,7 @@ class Trainer:
             return None
         if not path.is_dir():
             raise CheckpointError(f"train.resume: checkpoint {path} does not exist")
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer, snapshot=self.snapshot)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         if "data" in state:  # an imported model starts the data from the beginning
             self.loader.load_state_dict(state["data"])
@@ -348,7 +352,7 @@ class Trainer:
             self.logger.info("train.sample_tokens: no end-of-run sample under parallel.pp > 1; `clustertrain "
                              f"generate {self.run_dir}` samples from the checkpoint")
         elif self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
-            summary.sample = self._sample_or_warn("def ", self.config.train.sample_tokens)
+            summary.sample = self._sample_or_warn(self.config.train.sample_prompt, self.config.train.sample_tokens)
         self.logger.close()  # flushes metrics.jsonl
         if self.rank0:
             curve = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r.get("loss") is not None]
@@ -442,6 +446,8 @@ class Trainer:
         }
         if self.scaler:
             state["grad_scaler"] = self.scaler.state_dict()
+        if self.config.lora.enabled and self.snapshot is not None:  # the checkpoint holds only what trains
+            state["base"] = base_reference(self.snapshot)
 
         def write_extras(folder: Path) -> None:
             (folder / "config.yaml").write_text(dump_config(self.config))
@@ -487,7 +493,7 @@ class Trainer:
                          checkpoint=str(checkpoint) if checkpoint else None, **fields)
 
     # ---- sample ------------------------------------------------------------------------------
-    def _sample_or_warn(self, prompt: str, max_new_tokens: int) -> str | None:
+    def _sample_or_warn(self, prompt: str | None, max_new_tokens: int) -> str | None:
         """The end-of-run sample; a failure is one warning line, never a failed run (its checkpoint is saved)."""
         try:
             return self.sample(prompt, max_new_tokens)
@@ -497,8 +503,9 @@ class Trainer:
             return None
 
     @torch.no_grad()
-    def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """A short sampled continuation of `prompt` (top-k 40, temperature 0.8), through the training forward.
+    def sample(self, prompt: str | None, max_new_tokens: int) -> str:
+        """A short sampled continuation of `prompt` (top-k 40, temperature 0.8), through the training forward;
+        None: of the start of the run's own data (clustertrain.train.sample.data_prompt).
 
         The model's own forward runs as in training, so every layout's hooks apply (FSDP's unsharding of the
         root's weights included, which HF's and peft's `generate` bypass). Every rank takes part when the
@@ -510,18 +517,9 @@ class Trainer:
             return ""
         model = self.model if together else unwrap(self.model)
         model.eval()
-        ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.device)
-        generator = torch.Generator(self.device).manual_seed(0)
-        with autocast(self.device, self._autocast):
-            for _ in range(max_new_tokens):
-                logits = model(input_ids=ids, use_cache=False).logits[:, -1].float() / 0.8
-                top = logits.topk(min(40, logits.shape[-1]))
-                choice = top.indices.gather(-1, torch.multinomial(top.values.softmax(-1), 1, generator=generator))
-                if together:
-                    choice = broadcast(choice).to(self.device)
-                ids = torch.cat([ids, choice], dim=1)
-                if choice.item() == self.tokenizer.eos_token_id:
-                    break
+        start = self.tokenizer(prompt).input_ids if prompt is not None else data_prompt(self.plan, self.tokenizer)
+        ids = sample_ids(model, start, max_new_tokens, self.tokenizer.eos_token_id, self.device, self._autocast,
+                         together)
         model.train()
         return self.tokenizer.decode(ids[0], skip_special_tokens=True)
 
@@ -587,37 +585,6 @@ class _Timer:
 
     def elapsed(self, step: int) -> tuple[float, int]:
         return time.perf_counter() - self.start, step - self.start_step
-
-
-def total_steps(cfg: RunConfig) -> int:
-    """Optimizer steps of the whole run, from `train.tokens` when set, else `train.steps`."""
-    if cfg.train.tokens:
-        return math.ceil(cfg.train.tokens / (cfg.train.global_batch_size * cfg.data.seq_len))
-    if cfg.train.steps is None:
-        raise ConfigError("train: set train.steps or train.tokens")
-    return cfg.train.steps
-
-
-def resolve_global_batch(cfg: RunConfig, dp_size: int) -> None:
-    """train.grad_accum given: set train.global_batch_size to micro_batch_size x grad_accum x `dp_size` (the run's
-    config.yaml then holds that global batch, which a resume needs)."""
-    if cfg.train.grad_accum is not None:
-        global_batch = cfg.train.micro_batch_size * cfg.train.grad_accum * dp_size
-        cfg.train.grad_accum = None
-        cfg.train.global_batch_size = global_batch
-
-
-def micro_batch_size(cfg: RunConfig, dp_size: int) -> int:
-    """Rows per forward on one rank: train.micro_batch_size, capped at the rank's share of the global batch, so
-    that a config runs, and resumes, on any number of ranks; the start line says when it is capped."""
-    per_rank = cfg.train.global_batch_size // dp_size
-    micro = min(cfg.train.micro_batch_size, per_rank)
-    if per_rank % micro:
-        raise ConfigError(
-            f"train.micro_batch_size = {micro} does not divide the {per_rank} sequences each of the {dp_size} "
-            f"ranks gets per step (train.global_batch_size = {cfg.train.global_batch_size}); use a divisor of {per_rank}"
-        )
-    return micro
 
 
 def memory_gb(device: torch.device) -> float:

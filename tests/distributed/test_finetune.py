@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import peft
 import pytest
@@ -12,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 from helpers import TINY, grad_norms, losses, run_cli, train
+from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -42,12 +44,12 @@ TINY_ARCHS = {
 }
 
 
-def make_snapshot(out, arch: str, sharpen: bool = False):
+def make_snapshot(out, arch: str, sharpen: bool = False, dims: dict | None = None, seed: int = 0):
     """A tiny random `arch` model saved with save_pretrained, with the locally trained tokenizer of TINY's data."""
     tokenizer = load_tokenizer(load_config(None, TINY).data)
     config = AutoConfig.for_model(arch, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                  bos_token_id=tokenizer.bos_token_id, **TINY_ARCHS[arch])
-    torch.manual_seed(0)
+                                  bos_token_id=tokenizer.bos_token_id, **(dims or TINY_ARCHS[arch]))
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     if sharpen:  # sharp logits: a loss far above a fresh init's ln(vocab), easy to tell apart
         with torch.no_grad():
@@ -65,7 +67,7 @@ def snapshot(tmp_path_factory):
 def assert_finished_with_a_sample(run_dir, result):
     """The run as users get it: exit 0 (checked by train), status finished, and the end-of-run sample shown."""
     assert read_status(run_dir)["state"] == "finished"
-    assert re.search(r"^ +sample  def ", result.stdout, re.M), result.stdout[-2000:]
+    assert re.search(r"^ +sample  \s*\S", result.stdout, re.M), result.stdout[-2000:]  # from the run's data
     assert "sample failed" not in result.stdout
 
 
@@ -103,15 +105,15 @@ def test_lora_learns_and_leaves_the_base_bit_identical(tmp_path, snapshot, layou
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero3"])
 def test_lora_keeps_its_frozen_base_in_the_compute_dtype(tmp_path, snapshot, strategy):
-    """Under bf16 the frozen base is stored in bf16 (no fp32 copy); the adapters, which train, stay fp32."""
+    """Under bf16 the frozen base is stored in bf16 (no fp32 copy); the adapters, which train, stay fp32. The
+    checkpoint holds the adapters only; loaded, its base is the snapshot rounded to bf16, as training held it."""
     train(tmp_path, f"model.path={snapshot}", *LORA, f"train.steps={STEPS}", f"parallel.strategy={strategy}",
           "parallel.param_dtype=bfloat16", nproc=2)
     curve = losses(tmp_path)
     assert curve[STEPS] < curve[1] - 0.05, curve
     saved = dcp.FileSystemReader(tmp_path / "checkpoints" / f"step-{STEPS:07d}").read_metadata().state_dict_metadata
     dtypes = {name: meta.properties.dtype for name, meta in saved.items() if name.startswith("model.")}
-    assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
-    assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+    assert dtypes and all(".lora_" in n for n in dtypes) and set(dtypes.values()) == {torch.float32}
     model, _, _ = load_checkpoint_model(tmp_path)
     base = load_file(snapshot / "model.safetensors")
     trained = {hf_name(n): p for n, p in model.named_parameters() if ".lora_" not in n}
@@ -264,3 +266,105 @@ def test_hub_id_resolves_in_the_offline_cache_that_download_filled(tmp_path, sna
     missing = run_cli("train", "--set=model.hub_id=lab/absent", f"--set=train.run_dir={tmp_path / 'x'}", env=env)
     assert missing.returncode == 2 and "clustertrain download lab/absent" in missing.stderr
     assert len(missing.stderr.strip().splitlines()) == 1
+
+
+# A base about 20x its adapter: 1.44M parameters against a rank-9 adapter on every linear layer (74k). Wide enough
+# that the adapter outweighs what every checkpoint holds besides (DCP's few hundred bytes per tensor, RNG states,
+# tokenizer, config: about 0.5 MB here).
+WIDE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+WIDE_LORA = ("model.config={}", "lora.rank=9", "lora.alpha=18", "optim.lr=1e-2", "optim.warmup_steps=0",
+             "train.steps=10", "checkpoint.every=2")
+
+
+@pytest.fixture(scope="module")
+def wide_snapshot(tmp_path_factory):
+    return make_snapshot(tmp_path_factory.mktemp("wide"), "llama", dims=WIDE)
+
+
+@pytest.fixture(scope="module")
+def wide_reference(wide_snapshot, tmp_path_factory):
+    """10 uninterrupted LoRA steps on 2 zero3 ranks, saving every 2."""
+    run_dir = tmp_path_factory.mktemp("wide-reference")
+    train(run_dir, f"model.path={wide_snapshot}", *WIDE_LORA, "parallel.strategy=zero3", nproc=2)
+    return run_dir
+
+
+def folder_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_a_lora_checkpoint_holds_the_adapter_and_a_reference_to_its_base(wide_snapshot, wide_reference):
+    model, _, _ = load_checkpoint_model(wide_reference)
+    base = sum(p.numel() for n, p in model.named_parameters() if ".lora_" not in n)
+    adapter = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    adapter_and_adam = adapter * 4 * 3  # fp32 weights, exp_avg and exp_avg_sq
+    step = wide_reference / "checkpoints" / "step-0000010"
+    size = folder_bytes(step)
+    print(f"base {base} params, adapter {adapter} ({base / adapter:.1f}x); checkpoint folder {size} bytes, adapter + "
+          f"Adam state {adapter_and_adam} bytes, the base alone in fp32 {base * 4} bytes")
+    assert 18 < base / adapter < 22
+    assert size <= 2 * adapter_and_adam
+    saved = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    assert {k for k in saved if k.startswith("model.")} == {f"model.{n}" for n, p in model.named_parameters()
+                                                           if ".lora_" in n}
+    reference = json.loads((step / "train_state.json").read_text())["base"]
+    assert reference["path"] == str(wide_snapshot.resolve()) and len(reference["checksum"]) == 32
+
+
+def test_a_lora_run_resumes_on_other_layouts_as_if_uninterrupted(tmp_path, wide_snapshot, wide_reference):
+    """Saved by 2 zero3 ranks, resumed by 1 DDP rank, then 2 zero2 ranks, 2 hybrid ranks (2 replicas), and tensor
+    parallel on 2 ranks: 2 steps each."""
+    run = tmp_path / "moved"
+    legs = [(["parallel.strategy=zero3"], 2), (["parallel.strategy=ddp"], None), (["parallel.strategy=zero2"], 2),
+            (["parallel.strategy=hybrid_zero2", "parallel.hybrid_shard_size=1"], 2),
+            (["parallel.strategy=zero3", "parallel.tp=2"], 2)]
+    for i, (layout, nproc) in enumerate(legs):
+        result = train(run, f"model.path={wide_snapshot}", *WIDE_LORA, *layout, "train.stop_after_steps=2",
+                       nproc=nproc, state="stopped" if i < len(legs) - 1 else "finished")
+        if i:
+            assert f"at step {2 * i}" in result.stdout
+    ours, theirs = losses(run), losses(wide_reference)
+    assert sorted(ours) == list(range(1, 11))
+    assert ours == pytest.approx(theirs, rel=1e-5)
+    assert ours[10] < ours[1] - 0.05
+
+
+def test_resuming_on_another_base_is_one_line(tmp_path, wide_snapshot, wide_reference):
+    other = make_snapshot(tmp_path / "other", "llama", dims=WIDE, seed=1)  # the same shapes, other weights
+    run = tmp_path / "run"
+    shutil.copytree(wide_reference / "checkpoints", run / "checkpoints")
+    result = train(run, f"model.path={other}", *WIDE_LORA, "parallel.strategy=zero3", nproc=2, expect=2)
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]  # once, not per rank
+    assert len(error) == 1 and str(wide_snapshot.resolve()) in error[0] and str(other) in error[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_lora_exports_read_their_base_from_the_reference(tmp_path, wide_snapshot, wide_reference):
+    """The adapter in bf16 loads in peft, the merged model in bf16 in transformers, both computing what the
+    checkpoint does (within bf16's rounding); a base that moved is one line naming it."""
+    for args in (("adapter", "--dtype", "bf16"), ("merged", "--merge", "--dtype", "bf16")):
+        result = run_cli("export", str(wide_reference), str(tmp_path / args[0]), *args[1:], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(wide_snapshot.resolve())
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    checkpoint, _, _ = load_checkpoint_model(wide_reference)
+    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(wide_snapshot),
+                                             tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert merged.dtype == torch.bfloat16
+    ids = torch.randint(0, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = checkpoint(ids).logits
+        for model in (adapted, merged):
+            assert (model(ids).logits.float() - expected).abs().max() < 0.02 * expected.abs().max()  # measured 0.005
+
+    moved = tmp_path / "step"
+    shutil.copytree(wide_reference / "checkpoints" / "step-0000010", moved)
+    state = json.loads((moved / "train_state.json").read_text())
+    state["base"]["path"] = str(tmp_path / "gone")
+    (moved / "train_state.json").write_text(json.dumps(state))
+    result = run_cli("generate", str(moved), "--prompt", "def ")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(tmp_path / "gone") in result.stderr

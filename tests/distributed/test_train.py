@@ -9,7 +9,12 @@ import re
 import pytest
 import torch
 from helpers import TINY, LayoutRuns, final_weights, grad_norms, losses, run_cli, train
+from transformers import AutoTokenizer
 
+from clustertrain.config.load import load_config
+from clustertrain.data.plan import DataPlan
+from clustertrain.data.tokenize import cache_root
+from clustertrain.train.sample import data_prompt
 from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
@@ -85,10 +90,22 @@ def test_fused_and_foreach_adamw_train_alike(runs):
     assert grad_norms(foreach) == pytest.approx(grad_norms(fused), rel=1e-6)
 
 
+@pytest.fixture(scope="module")
+def prompt(runs) -> str:
+    """The start of the runs' first held-out document, as the end-of-run sample shows it: its prompt."""
+    config = load_config(runs["single"] / "config.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(runs["single"] / "checkpoints" / "step-0000010" / "tokenizer")
+    plan = DataPlan(config.data, tokenizer, config.train.global_batch_size, config.train.seed, cache_root(config.data))
+    text = tokenizer.decode(data_prompt(plan, tokenizer), skip_special_tokens=True)
+    assert len(text) > 8 and "def " not in text[:4]  # not the fixed prompt of old
+    return text.replace("\n", "\n" + " " * 15)  # continued lines are indented under the label
+
+
 @pytest.mark.parametrize("name", ["single", "ddp", "zero2", "zero3", "hybrid_zero3_2x2", "tp2", "zero3_compiled"])
-def test_every_layout_ends_with_a_sample(runs, name):
+def test_every_layout_ends_with_a_sample_of_its_own_data(runs, name, prompt):
     stdout = (runs[name] / "stdout.log").read_text()
-    assert re.search(r"^ +sample  def ", stdout, re.M) and "sample failed" not in stdout, stdout[-2000:]
+    assert re.search(r"^ +sample  " + re.escape(prompt), stdout, re.M), stdout[-2000:]
+    assert "sample failed" not in stdout
     assert read_status(runs[name])["state"] == "finished"
 
 

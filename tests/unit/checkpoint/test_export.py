@@ -243,3 +243,67 @@ def test_cli_exports_a_run_directorys_newest_checkpoint_and_imports_it(checkpoin
 
     with pytest.raises(UserError):
         cli("export", str(tmp_path / "nowhere"), str(tmp_path / "x"))
+
+
+@pytest.fixture(scope="module")
+def exported_bf16(checkpoint, tmp_path_factory) -> Path:
+    return export_hf(checkpoint, tmp_path_factory.mktemp("export-bf16") / "hf", dtype=torch.bfloat16)
+
+
+def test_a_bf16_export_is_bf16_on_disk_and_loads_with_the_checkpoints_logits(trained, exported_bf16):
+    with safe_open(exported_bf16 / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    reloaded = AutoModelForCausalLM.from_pretrained(exported_bf16, local_files_only=True).eval()
+    assert reloaded.dtype == torch.bfloat16
+    expected = logits(trained[0], inputs())
+    assert (logits(reloaded, inputs()).float() - expected).abs().max() < 0.02 * expected.abs().max()
+    # exactly the checkpoint's weights rounded to bf16: read back in fp32, the same logits as those
+    rounded = AutoModelForCausalLM.from_pretrained(exported_bf16, local_files_only=True, dtype=torch.float32)
+    original = {k: v.to(torch.bfloat16).float() for k, v in trained[0].state_dict().items()}
+    assert all(torch.equal(rounded.state_dict()[k], v) for k, v in original.items())
+
+
+def test_export_defaults_to_the_runs_param_dtype(checkpoint, tmp_path):
+    copy = tmp_path / "step-0000003"
+    shutil.copytree(checkpoint, copy)
+    config = copy / "config.yaml"
+    assert "param_dtype: float32" in config.read_text()
+    config.write_text(config.read_text().replace("param_dtype: float32", "param_dtype: float16"))
+    out = export_hf(copy, tmp_path / "out")
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
+
+
+def test_export_reads_one_tensor_at_a_time(checkpoint, trained, tmp_path, monkeypatch):
+    """Each read of the checkpoint asks for one tensor: the model is never whole in memory, nor is a shard."""
+    from clustertrain.checkpoint import stream
+
+    reads = []
+
+    def recording(state, path, metadata):
+        reads.append([t.numel() * t.element_size() for t in state["model"].values()])
+        return load_state(state, path, metadata)
+
+    load_state = stream.load_state
+    monkeypatch.setattr(stream, "load_state", recording)
+    out = export_hf(checkpoint, tmp_path / "out", max_shard_size="70KB", dtype=torch.bfloat16)
+    whole = sum(v.numel() * 2 for v in trained[0].state_dict().values())
+    assert len(list(out.glob("*.safetensors"))) > 3 and len(reads) == len(trained[0].state_dict())
+    assert all(len(read) == 1 for read in reads) and sum(read[0] for read in reads) == whole
+
+
+def test_exported_files_carry_the_keys_transformers_4_reads(exported):
+    config = json.loads((exported / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 10000.0
+    assert config["torch_dtype"] == config["dtype"] == "float32" and config["architectures"] == ["LlamaForCausalLM"]
+    assert "rope_scaling" not in config  # default rope: 4.x reads no scaling
+    tokenizer = json.loads((exported / "tokenizer_config.json").read_text())
+    assert tokenizer["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+def test_cli_refuses_an_unknown_dtype(checkpoint, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli("export", str(checkpoint), str(tmp_path / "out"), "--dtype", "bf8")
+    assert exit_.value.code == 2 and "--dtype" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

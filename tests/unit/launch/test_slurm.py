@@ -178,3 +178,46 @@ def test_the_job_script_and_config_copy_are_as_readable_as_the_umask_says(tmp_pa
     assert job == "4242"
     assert script.stat().st_mode & 0o777 == mode
     assert (script.parent / "config.yaml").stat().st_mode & 0o777 == mode & 0o666
+
+
+def environment_of_ranks(script: str, cpus_on_node: int) -> tuple[str, str]:
+    """Run the script's lines before the training (no Slurm needed) on a node with `cpus_on_node` CPUs; returns
+    (OMP_NUM_THREADS, the srun line with $cpus_per_task expanded)."""
+    head = script.split("\npython=")[0]
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    shown = head + '\necho "$OMP_NUM_THREADS"\necho ' + srun.removesuffix("\\")  # bash expands the srun line
+    result = subprocess.run(["bash", "-c", shown], capture_output=True, text=True, check=True,
+                            env={"PATH": os.environ["PATH"], "SLURM_CPUS_ON_NODE": str(cpus_on_node)})
+    threads, srun_line = result.stdout.splitlines()
+    return threads, srun_line
+
+
+@pytest.mark.parametrize(("launcher", "srun_cpus"), [("srun", "--cpus-per-task=8"), ("torchrun", "--cpus-per-task=32")])
+def test_cpu_ranks_get_the_nodes_cores_counted_at_run_time(launcher, srun_cpus):
+    script = render("slurm.tasks_per_node=4", f"slurm.launcher={launcher}")
+    lines = script.splitlines()
+    assert "#SBATCH --exclusive" in lines  # the whole node, so that Slurm's count is of every core
+    assert not [line for line in lines if line.startswith("#SBATCH --cpus-per-task")]
+    threads, srun = environment_of_ranks(script, 32)
+    assert threads == "8" and srun_cpus in srun.split()
+    assert environment_of_ranks(script, 3)[0] == "1"  # never 0 threads, on a node with fewer cores than ranks
+
+
+def test_cpu_ranks_share_a_known_core_count_without_taking_whole_nodes(tmp_path):
+    (tmp_path / "cpu.yaml").write_text("description: a CPU cluster\nsources: [wiki]\ncores_per_node: 56\n")
+    script = render("slurm.tasks_per_node=2", preset=str(tmp_path / "cpu.yaml"))
+    lines = script.splitlines()
+    assert "#SBATCH --cpus-per-task=28" in lines and "export OMP_NUM_THREADS=28" in lines
+    assert "#SBATCH --exclusive" not in lines and "cpus_per_task=" not in script
+    assert any(line.startswith("srun --ntasks-per-node=2 --cpus-per-task=28 ") for line in lines)
+
+    pinned = render("slurm.tasks_per_node=2", "slurm.cpus_per_task=6").splitlines()  # the config's own count
+    assert "#SBATCH --cpus-per-task=6" in pinned and "export OMP_NUM_THREADS=6" in pinned
+    assert "#SBATCH --exclusive" not in pinned
+
+
+def test_gpu_ranks_keep_their_per_gpu_cpu_binding():
+    frontier = render(preset="frontier").splitlines()
+    assert "#SBATCH --cpus-per-task=7" in frontier and "export OMP_NUM_THREADS=7" in frontier
+    generic_gpus = render("slurm.gpus_per_node=4").splitlines()
+    assert "#SBATCH --cpus-per-task=1" in generic_gpus and "#SBATCH --exclusive" not in generic_gpus

@@ -18,7 +18,6 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import clustertrain.model.attention as attention
-from clustertrain.config.schema import ModelConfig
 from clustertrain.errors import ConfigError
 from clustertrain.model.attention import document_lengths, keep_packed_documents_apart, resolve_attention
 from clustertrain.model.load import build_meta_model

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 from huggingface_hub.utils.sha import git_hash
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from helpers import write_tiny_repo
 
 from clustertrain.cli import main
 from clustertrain.errors import DataError
@@ -23,18 +25,7 @@ REPO = "org/tiny-llama"
 @pytest.fixture(scope="module")
 def fake_repo(tmp_path_factory) -> Path:
     """A directory laid out like a hub model repo: a tiny Llama and a trained tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    repo = tmp_path_factory.mktemp("fake-repo")
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                         vocab_size=128)
-    AutoModelForCausalLM.from_config(config).save_pretrained(repo)
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<eos>"], show_progress=False)
-    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(repo)
+    repo = write_tiny_repo(tmp_path_factory.mktemp("fake-repo"))
     (repo / ".git").mkdir()
     (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")  # a clone's metadata is not part of the repo
     return repo
@@ -46,9 +37,9 @@ class CountingFetch:
     def __init__(self, source: Path):
         self.fetch, self.calls = local_fetch(source), 0
 
-    def __call__(self, *args) -> Path:
+    def __call__(self, *args, **patterns) -> Path:
         self.calls += 1
-        return self.fetch(*args)
+        return self.fetch(*args, **patterns)
 
 
 def repo_files(repo: Path) -> set[str]:
@@ -220,3 +211,46 @@ def test_cli_reports_a_corrupt_file_in_one_line(fake_repo, tmp_path, capsys):
     assert "config.json has a different sha256" in err
     assert main(["download", REPO, "--from-dir", str(tmp_path / "nowhere")]) == 2
     assert "--from-dir" in capsys.readouterr().err
+
+
+def test_exclude_fetches_one_weight_format_and_include_narrows_further(fake_repo, tmp_path):
+    both = tmp_path / "both-formats"  # a snapshot with the same weights as .bin and .safetensors, like opt-2.7b
+    shutil.copytree(fake_repo, both)
+    (both / "pytorch_model.bin").write_bytes(b"\0" * 4096)
+    (both / "original").mkdir()
+    (both / "original" / "consolidated.pth").write_bytes(b"\1" * 1024)
+    fetch = CountingFetch(both)
+
+    first = download(REPO, cache_dir=tmp_path / "cache", fetch=fetch, exclude=["*.bin", "original/"])
+    assert first.fetched and fetch.calls == 1
+    assert repo_files(first.snapshot) == repo_files(fake_repo)  # neither the .bin nor the original/ folder
+    assert first.size_bytes == sum((fake_repo / name).stat().st_size for name in repo_files(fake_repo))
+    again = download(REPO, cache_dir=tmp_path / "cache", fetch=fetch, exclude=["*.bin", "original/"])
+    assert (again.fetched, fetch.calls) == (False, 1)
+
+    only = download("org/configs", cache_dir=tmp_path / "cache", fetch=fetch, include=["*.json"])
+    assert repo_files(only.snapshot) == {n for n in repo_files(fake_repo) if n.endswith(".json")}
+    whole = download("org/configs", cache_dir=tmp_path / "cache", fetch=fetch)  # other patterns: fetched again
+    assert whole.fetched and whole.reason == "the cached copy holds only --include *.json"
+    assert repo_files(whole.snapshot) == repo_files(both)
+    narrower = download("org/configs", cache_dir=tmp_path / "cache", fetch=fetch, include=["*.json"])
+    assert not narrower.fetched  # a whole copy serves any pattern
+    assert fetch.calls == 3
+
+
+def test_cli_downloads_several_ids_and_one_failure_keeps_the_others(fake_repo, tmp_path, capsys):
+    cache = str(tmp_path / "cache")
+    assert main(["download", "org/a", "org/b", "--cache-dir", cache, "--from-dir", str(fake_repo)]) == 2
+    assert "--from-dir copies one directory" in capsys.readouterr().err
+
+    for repo_id in ("org/a", "org/b"):  # in the cache, as a mirror would have staged them
+        download(repo_id, cache_dir=cache, fetch=local_fetch(fake_repo))
+    code = main(["download", "org/a", "bad id//x", "org/b", "--cache-dir", cache, "--exclude", "*.bin"])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("already complete")] == \
+        ["already complete"] * 2
+    assert "model org/a (" in out and "model org/b (" in out
+    assert "  model.hub_id: org/a" in out.splitlines() and "  model.hub_id: org/b" in out.splitlines()
+    assert err.splitlines()[0].startswith("error: 'bad id//x' is not a Hugging Face id")
+    assert err.splitlines()[-1] == "error: 1 of 3 downloads failed: bad id//x"

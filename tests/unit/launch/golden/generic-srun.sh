@@ -6,13 +6,18 @@
 #SBATCH --account=abc123
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-#SBATCH --cpus-per-task=1
+#SBATCH --exclusive
 #SBATCH --time=02:00:00
 #SBATCH --output=/scratch/runs/llama/slurm/%j.out
 #SBATCH --open-mode=append
 #SBATCH --chdir=/work/project
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue
+
+# CPU-only nodes: the 1 rank(s) of a node share its cores, each taking cores / 1 as its CPUs
+# and OMP_NUM_THREADS (--exclusive gives the job every core of its nodes; Slurm counts them here).
+cpus_per_task=$(( ${SLURM_CPUS_ON_NODE:-1} / 1 ))
+[ "$cpus_per_task" -ge 1 ] || cpus_per_task=1
 
 # Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from
 # here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.
@@ -23,7 +28,7 @@ trap 'signalled=1' USR1 TERM
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS="${cpus_per_task}"
 
 python=/opt/venv/bin/python
 run_dir=/scratch/runs/llama
@@ -34,7 +39,7 @@ end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (
 if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
 
 # One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.
-srun --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 \
+srun --ntasks-per-node=1 --cpus-per-task="$cpus_per_task" --kill-on-bad-exit=1 \
     "$python" -m clustertrain train /work/project/configs/llama.yaml &
 step=$!
 trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1

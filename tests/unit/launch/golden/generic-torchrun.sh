@@ -6,13 +6,18 @@
 #SBATCH --account=abc123
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
-#SBATCH --cpus-per-task=1
+#SBATCH --exclusive
 #SBATCH --time=02:00:00
 #SBATCH --output=/scratch/runs/llama/slurm/%j.out
 #SBATCH --open-mode=append
 #SBATCH --chdir=/work/project
 #SBATCH --signal=B:USR1@300
 #SBATCH --requeue
+
+# CPU-only nodes: the 1 rank(s) of a node share its cores, each taking cores / 1 as its CPUs
+# and OMP_NUM_THREADS (--exclusive gives the job every core of its nodes; Slurm counts them here).
+cpus_per_task=$(( ${SLURM_CPUS_ON_NODE:-1} / 1 ))
+[ "$cpus_per_task" -ge 1 ] || cpus_per_task=1
 
 # Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from
 # here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.
@@ -23,7 +28,7 @@ trap 'signalled=1' USR1 TERM
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
-export OMP_NUM_THREADS=1
+export OMP_NUM_THREADS="${cpus_per_task}"
 
 python=/opt/venv/bin/python
 run_dir=/scratch/runs/llama
@@ -38,7 +43,7 @@ export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=300
-srun --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 \
+srun --ntasks-per-node=1 --cpus-per-task="$(( cpus_per_task * 1 ))" --kill-on-bad-exit=1 \
     "$python" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=1 \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \
     -m clustertrain train /work/project/configs/llama.yaml &

@@ -1,0 +1,32 @@
+"""`clustertrain plot RUN_DIR [RUN_DIR...]`: loss and tokens/s curves of one or several runs, as a PNG.
+
+    clustertrain plot runs/tiny-llama                               # runs/tiny-llama/curves.png
+    clustertrain plot runs/lr-1e-3 runs/lr-3e-3 -o compare.png      # several runs, one colour each
+
+Reads each run's metrics.jsonl: training loss (and eval loss, dashed, where logged) and tokens/s per step.
+Needs matplotlib: pip install 'clustertrain[plot]'.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plot", help="draw the loss and tokens/s curves of runs as a PNG",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories (train.run_dir)")
+    parser.add_argument("-o", "--output", type=Path,
+                        help="the PNG to write (default: RUN_DIR/curves.png of the first run)")
+    parser.set_defaults(run=run_plot)
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from clustertrain.train.plots import plot_runs
+
+    out = plot_runs(args.run_dirs, args.output or args.run_dirs[0] / "curves.png")
+    print(f"wrote {out}")
+    return 0

@@ -1,0 +1,271 @@
+"""A config against a world size, before any process group starts: every problem at once, with sizes that fit.
+
+    problems = check_world(config, world_size=40, local_world_size=8, shape=model_shape(hf_config))  # [] if it fits
+    layout = resolve_layout(config, 40, 8, shape)   # or one ConfigError listing them all
+    clustertrain config check configs/frontier-llama3-8b.yaml --nodes 64         # the same, on a login node
+
+The arithmetic a run lays itself out with lives here, once: the parallel degrees (distributed/mesh.py builds
+its mesh from them), the rows of a step on each rank, its micro-batches or pipeline microbatches, and the
+steps of the run. Model facts come in as a ModelShape, read from the HF config alone (no weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
+from clustertrain.errors import ConfigError
+
+MAX_STREAMS_PER_RANK = 1 << 16  # rows of a step on one rank: each is a data stream with its own reader
+INTERLEAVED = ("interleaved_1f1b",)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a layout needs of the model (clustertrain.parallel.tp.model_shape reads it from an HF config).
+
+    Attributes:
+        tp_problem, pp_problem: why the architecture cannot be split by parallel.tp or parallel.pp, or None.
+    """
+
+    model_type: str
+    heads: int | None
+    kv_heads: int | None
+    layers: int | None
+    tp_problem: str | None = None
+    pp_problem: str | None = None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a config runs on `world_size` ranks."""
+
+    world_size: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    global_batch: int  # sequences per optimizer step
+    micro_batch: int  # sequences per forward on one rank (per pipeline microbatch under pp)
+    grad_accum: int  # forwards per rank per step: micro-batches, or pipeline microbatches under pp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self, seq_len: int) -> str:
+        """One line: the degrees and the batch arithmetic (micro × accumulation × dp ranks = global batch)."""
+        accum = "pipeline microbatches" if self.pp > 1 else "grad accum"
+        return (f"dp {self.dp} (dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard}), tp {self.tp}, "
+                f"pp {self.pp}; micro batch {self.micro_batch} × {accum} {self.grad_accum} × {self.dp} dp ranks = "
+                f"global batch {self.global_batch} sequences × {seq_len} tokens = "
+                f"{self.global_batch * seq_len:,} tokens/step")
+
+
+def check_world(config: RunConfig, world_size: int, local_world_size: int | None = None,
+                shape: ModelShape | None = None) -> list[str]:
+    """Every problem of running `config` on `world_size` ranks (`local_world_size` per node), one line each,
+    naming the key and sizes that would fit; [] when it fits. Model checks need `shape`."""
+    return _resolve(config, world_size, local_world_size or world_size, shape)[1]
+
+
+def resolve_layout(config: RunConfig, world_size: int, local_world_size: int | None = None,
+                   shape: ModelShape | None = None) -> Layout:
+    """The layout of `config` on `world_size` ranks.
+
+    Raises:
+        ConfigError: every problem check_world finds, one per line.
+    """
+    layout, problems = _resolve(config, world_size, local_world_size or world_size, shape)
+    if problems:
+        raise ConfigError(problems[0] if len(problems) == 1 else f"{len(problems)} problems with this config on "
+                          f"{world_size} ranks:\n" + "\n".join(f"  {p}" for p in problems))
+    assert layout is not None
+    return layout
+
+
+def _resolve(config: RunConfig, world: int, local: int, shape: ModelShape | None) -> tuple[Layout | None, list[str]]:
+    problems: list[str] = []
+    degrees, more = degree_problems(config.parallel, world, local)
+    problems += more
+    if shape is not None:
+        problems += model_problems(config.parallel, shape)
+    if config.train.steps is None and config.train.tokens is None and config.train.epochs is None:
+        problems.append("train: set train.steps, train.tokens or train.epochs")
+    if degrees is None:
+        return None, problems
+    pp, replicate, shard, tp = degrees
+    batch, more = batch_layout(config.train, config.parallel, replicate * shard)
+    problems += more
+    if batch is None or problems:
+        return None, problems
+    return Layout(world, pp, replicate, shard, tp, *batch), problems
+
+
+# ---- degrees ---------------------------------------------------------------------------------------------
+def resolve_degrees(parallel: ParallelConfig, world: int, local_world: int) -> tuple[int, int, int, int]:
+    """(pp, dp_replicate, dp_shard, tp) on `world` ranks, `local_world` per node.
+
+    Raises:
+        ConfigError: the degrees do not fit, every problem in one message.
+    """
+    degrees, problems = degree_problems(parallel, world, local_world)
+    if problems or degrees is None:
+        raise ConfigError("\n".join(problems))
+    return degrees
+
+
+def degree_problems(parallel: ParallelConfig, world: int, local_world: int
+                    ) -> tuple[tuple[int, int, int, int] | None, list[str]]:
+    """(pp, dp_replicate, dp_shard, tp) or None, and the problems. Set degrees are taken as given; unset
+    data-parallel ones default from the strategy."""
+    model_parallel = parallel.pp * parallel.tp
+    if world % model_parallel:
+        return None, [f"parallel.pp × parallel.tp = {parallel.pp} × {parallel.tp} does not divide the {world} ranks; "
+                      f"use pp × tp in {divisors(world)}, or a multiple of {model_parallel} ranks"]
+    dp = world // model_parallel
+    replicate, shard = parallel.dp_replicate, parallel.dp_shard
+    if replicate is None and shard is None:
+        if parallel.strategy == "ddp":
+            replicate, shard = dp, 1
+        elif not parallel.strategy.startswith("hybrid"):
+            replicate, shard = 1, dp
+        else:
+            shard = parallel.hybrid_shard_size or max(1, local_world // model_parallel)
+            if dp % shard:
+                return None, [f"parallel.hybrid_shard_size = {shard} does not divide the {dp} data-parallel ranks; "
+                              f"use one of {divisors(dp)}"]
+            replicate = dp // shard
+    elif replicate is None:
+        replicate = dp // shard if dp % shard == 0 else 0
+    elif shard is None:
+        shard = dp // replicate if dp % replicate == 0 else 0
+    if replicate * shard != dp:
+        return None, [f"parallel: pp {parallel.pp} × dp_replicate {parallel.dp_replicate or '?'} × dp_shard "
+                      f"{parallel.dp_shard or '?'} × tp {parallel.tp} must equal the {world} ranks; with pp "
+                      f"{parallel.pp} and tp {parallel.tp}, dp_replicate × dp_shard must be {dp} (each one of "
+                      f"{divisors(dp)})"]
+    problems = [f"parallel.dp_shard = {shard} shards, but parallel.strategy is ddp; use zero2, zero3 or a hybrid "
+                "strategy, or dp_shard 1"] if parallel.strategy == "ddp" and shard > 1 else []
+    return (parallel.pp, replicate, shard, parallel.tp), problems
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---- the model ---------------------------------------------------------------------------------------------
+def model_problems(parallel: ParallelConfig, shape: ModelShape) -> list[str]:
+    """Heads against parallel.tp, decoder layers against the pipeline's stages, and whether the family splits."""
+    problems = []
+    tp = parallel.tp
+    if tp > 1 and shape.tp_problem:
+        problems.append(shape.tp_problem)
+    elif tp > 1:
+        kv_heads = shape.kv_heads or shape.heads
+        for what, count in (("attention heads", shape.heads), ("key/value heads", kv_heads)):
+            if count and count % tp:
+                problems.append(f"parallel.tp = {tp} does not divide the model's {count} {what}; use one of "
+                                f"{divisors(count)}")
+                break  # key/value heads divide the heads: a tp that fails the heads fails them too
+    if parallel.pp > 1 and shape.pp_problem:
+        problems.append(shape.pp_problem)
+    elif parallel.pp > 1 and shape.layers:
+        per_rank = parallel.pp_stages_per_rank if parallel.pp_schedule in INTERLEAVED else 1
+        if parallel.pp * per_rank > shape.layers:
+            problems.append(
+                f"pipeline parallel: {parallel.pp * per_rank} stages for a model of {shape.layers} decoder layers; "
+                f"each stage needs at least one layer: use parallel.pp"
+                f"{' × pp_stages_per_rank' if per_rank > 1 else ''} of at most {shape.layers}"
+            )
+    return problems
+
+
+# ---- the batch ---------------------------------------------------------------------------------------------
+def global_batch_size(train: TrainConfig, dp: int) -> int:
+    """Sequences per optimizer step: train.global_batch_size, or micro_batch_size × grad_accum × `dp` ranks."""
+    if train.grad_accum is not None:
+        return train.micro_batch_size * train.grad_accum * dp
+    return train.global_batch_size
+
+
+def batch_layout(train: TrainConfig, parallel: ParallelConfig, dp: int
+                 ) -> tuple[tuple[int, int, int] | None, list[str]]:
+    """(global batch, micro batch, forwards per rank per step) on `dp` data-parallel ranks, and the problems.
+
+    The micro batch is train.micro_batch_size capped at a rank's share of the global batch, so that a config
+    runs, and resumes, on any number of ranks. Under pp it is a rank's share divided into parallel.microbatches
+    (default: train.grad_accum when given, else pp).
+    """
+    batch = global_batch_size(train, dp)
+    problem = rows_problem(batch, dp)
+    if problem:
+        return None, [problem]
+    per_rank = batch // dp
+    if parallel.pp > 1:
+        count = parallel.microbatches or train.grad_accum or parallel.pp
+        problem = microbatch_problem(count, per_rank, parallel, dp, batch)
+        return (None, [problem]) if problem else ((batch, per_rank // count, count), [])
+    micro = min(train.micro_batch_size, per_rank)
+    if per_rank % micro:
+        return None, [f"train.micro_batch_size = {micro} does not divide the {per_rank} sequences each of the {dp} "
+                      f"ranks gets per step (train.global_batch_size = {batch}); use one of {divisors(per_rank)}"]
+    return (batch, micro, per_rank // micro), []
+
+
+def rows_problem(batch: int, dp: int) -> str | None:
+    """Why a global batch of `batch` rows cannot be dealt to `dp` data-parallel ranks, or None."""
+    if batch % dp:
+        near = sorted({max(dp, batch // dp * dp), (batch // dp + 1) * dp})
+        fits = [n for n in divisors(batch) if n <= 4 * dp]
+        return (f"train.global_batch_size = {batch} is not divisible by the {dp} data-parallel ranks; use a multiple "
+                f"of {dp} ({' or '.join(map(str, near))}), or a data-parallel degree in {fits}, or the batch per rank "
+                "(train.micro_batch_size × train.grad_accum), which fits any rank count")
+    if batch // dp > MAX_STREAMS_PER_RANK:  # each row is a stream with its own reader and window of documents
+        return (f"train.global_batch_size = {batch:,} puts {batch // dp:,} sequences of every step on each of the {dp} "
+                f"data-parallel ranks; at most {MAX_STREAMS_PER_RANK:,} per rank (each is a data stream with its own "
+                "position): lower it or use more ranks")
+    return None
+
+
+def microbatch_problem(count: int, per_rank: int, parallel: ParallelConfig, dp: int, batch: int) -> str | None:
+    """Why `count` pipeline microbatches cannot split a rank's `per_rank` rows, or None.
+
+    Under interleaved_1f1b torch also runs them in rounds of pp: the count must be a multiple of
+    max(1, count // pp).
+    """
+    interleaved = parallel.pp_schedule in INTERLEAVED
+
+    def fits(n: int) -> bool:
+        return per_rank % n == 0 and (not interleaved or n % max(1, n // parallel.pp) == 0)
+
+    if fits(count):
+        return None
+    if per_rank % count:
+        problem = (f"does not divide the {per_rank} sequences each of the {dp} data-parallel ranks gets per step "
+                   f"(global batch {batch})")
+    else:  # torch's ScheduleInterleaved1F1B runs max(1, n // pp) rounds of equal size
+        problem = f"is not a multiple of max(1, microbatches // pp) = {count // parallel.pp}, as interleaved_1f1b needs"
+    return f"parallel.microbatches = {count} {problem}; use one of {[n for n in range(1, per_rank + 1) if fits(n)]}"
+
+
+def apply_layout(config: RunConfig, layout: Layout) -> None:
+    """Write the resolved batch into `config`: the global batch (the run's config.yaml then holds it, which a
+    resume needs) and, under pp, the microbatches."""
+    config.train.grad_accum = None  # first: the schema refuses both forms at once
+    config.train.global_batch_size = layout.global_batch
+    if layout.pp > 1:
+        config.parallel.microbatches = layout.grad_accum
+
+
+# ---- steps -------------------------------------------------------------------------------------------------
+def total_steps(config: RunConfig) -> int:
+    """Optimizer steps of the whole run, from `train.tokens` when set, else `train.steps` (which train.epochs
+    sets at start, once the data is counted). The global batch must be resolved (apply_layout)."""
+    train = config.train
+    if train.tokens:
+        return math.ceil(train.tokens / (train.global_batch_size * config.data.seq_len))
+    if train.steps is None:
+        raise ConfigError("train: set train.steps, train.tokens or train.epochs")
+    return train.steps

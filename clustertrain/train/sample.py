@@ -1,0 +1,60 @@
+"""The end-of-run sample: a prompt from the run's own data, continued through the training forward.
+
+    ids = data_prompt(plan, tokenizer)        # or tokenizer(train.sample_prompt).input_ids
+    text = tokenizer.decode(sample_ids(model, ids, 40, eos_id, device, autocast_dtype, together))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from clustertrain.data.plan import DataPlan
+from clustertrain.data.sft import render_example
+from clustertrain.data.sources import text_of
+from clustertrain.distributed.collectives import broadcast
+from clustertrain.train.step import autocast
+
+PROMPT_TOKENS = 16  # of a document, when the prompt comes from the data
+
+
+def data_prompt(plan: DataPlan, tokenizer) -> list[int]:
+    """The first document of the held-out data (else of the training data) as prompt ids: an SFT example up to
+    its response, or a document's first PROMPT_TOKENS tokens after the end-of-text token that precedes every
+    document in training. The same on every rank."""
+    plan, split = plan.for_split("eval" if plan.has_eval() else "train")
+    eos = tokenizer.eos_token_id
+    doc = next(plan.sources[0].read(*plan.ranges[0][split]), None) if plan.sources else None
+    if doc is None:  # data.mode random: no documents
+        return [eos]
+    field = "text" if plan.sources[0].format in ("text", "stdlib") else plan.data.sources[0].field
+    if plan.data.mode == "sft":
+        example = render_example(doc.record, tokenizer, field=field, location=doc.location)
+        mask = example.loss_mask
+        return example.input_ids[:mask.index(True)] if any(mask) else example.input_ids[:PROMPT_TOKENS]
+    if "ids" in doc.record:  # a token source
+        return [eos, *map(int, doc.record["ids"][:PROMPT_TOKENS])]
+    text = text_of(doc, field)[:40 * PROMPT_TOKENS]  # enough characters for the tokens
+    return [eos, *tokenizer(text, add_special_tokens=False).input_ids[:PROMPT_TOKENS]]
+
+
+@torch.no_grad()
+def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, eos_id: int | None, device: torch.device,
+               autocast_dtype: torch.dtype | None, together: bool) -> torch.Tensor:
+    """`prompt` and up to `max_new_tokens` drawn after it (top-k 40, temperature 0.8, seed 0), as ids [1, n].
+
+    `together`: every rank runs the same forwards (sharded or split weights), with rank 0's draw broadcast.
+    """
+    ids = torch.tensor([prompt], device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    with autocast(device, autocast_dtype):
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=ids, use_cache=False).logits[:, -1].float() / 0.8
+            top = logits.topk(min(40, logits.shape[-1]))
+            choice = top.indices.gather(-1, torch.multinomial(top.values.softmax(-1), 1, generator=generator))
+            if together:
+                choice = broadcast(choice).to(device)
+            ids = torch.cat([ids, choice], dim=1)
+            if choice.item() == eos_id:
+                break
+    return ids
