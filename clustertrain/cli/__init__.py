@@ -22,6 +22,9 @@ import os
 import sys
 
 from clustertrain.errors import UserError
+from clustertrain.torch_check import installed_torch, torch_problem
+
+WITHOUT_TORCH = {"download", "config", "slurm", "plot"}  # login-node commands: they never import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     """Parse the command line and run the command; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if args.command != "download":
         work_offline()
     try:

@@ -23,10 +23,7 @@ from transformers import PreTrainedModel
 
 from clustertrain.errors import CheckpointError, ConfigError
 
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # pragma: no cover - torch < 2.5
-    from torch.distributed._tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
@@ -54,8 +51,7 @@ def _init_module(model: PreTrainedModel, module: nn.Module, device: torch.device
         model._init_weights(module)
     for n, p in sharded.items():
         full = module._parameters[n].data
-        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-        p.to_local().copy_(local)
+        p.to_local().copy_(full[_local_index(p)])
         module._parameters[n] = p
 
 
@@ -94,7 +90,7 @@ def load_pretrained(model: nn.Module, snapshot: Path) -> None:
                 missing.append(key)
             continue
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        index = tuple(slice(o, o + n) for n, o in zip(*_local_box(tensor)))
+        index = _local_index(tensor)
         local.copy_(_read(keys[key], key, index))
     if getattr(hf_model.config, "tie_word_embeddings", False):  # the head is the embedding, tied below
         missing = [k for k in missing if k != "lm_head.weight"]
@@ -103,6 +99,11 @@ def load_pretrained(model: nn.Module, snapshot: Path) -> None:
                           f"{', '.join(missing[:3])}; is model.path the model its config.json describes?")
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def _local_index(tensor: torch.Tensor) -> tuple[slice, ...]:
+    """The slice of the full tensor that this rank's shard of `tensor` holds (no communication)."""
+    return tuple(slice(o, o + n) for n, o in zip(*_local_box(tensor)))
 
 
 def _local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -81,10 +81,12 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, mesh: Mesh, blocks: t
     """FSDP2 over each transformer block, then the root. zero2 keeps parameters gathered from forward to backward."""
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[parallel.param_dtype], reduce_dtype=DTYPES[parallel.reduce_dtype])
     reshard = parallel.strategy.endswith("zero3")
-    for module in model.modules():
-        if isinstance(module, blocks):
-            fully_shard(module, mesh=mesh.shard_mesh(), reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh.shard_mesh(), reshard_after_forward=reshard, mp_policy=policy)
+    shard_mesh = mesh.shard_mesh()
+    for module in [m for m in model.modules() if isinstance(m, blocks)] + [model]:
+        fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if shard_mesh.device_type == "cpu":
+            # gloo in torch 2.7 and 2.8 takes ReduceOp.AVG as SUM (gradients x dp size): sum, then divide
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def autocast_dtype(parallel: ParallelConfig, mesh: Mesh) -> torch.dtype | None:

@@ -1,0 +1,65 @@
+"""Exports written with the project's transformers (5.x) load and compute the same under transformers 4.5x.
+
+    python tests/compat/export_compat.py write DIR   # project venv: train, export a model and an adapter, record logits
+    python tests/compat/export_compat.py check DIR   # transformers 4.5x: load both, compare token ids and logits
+
+`make test-oldest` runs both (the second with transformers 4.57 laid over the oldest-torch venv). The model has
+rope_theta 500,000, so an export whose config transformers 4.x reads with its default of 10,000 fails the check.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+
+
+def logits_of(model, ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0, :, :16].flatten().tolist()
+
+
+def write(out: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers import TINY, run_cli, train
+
+    theta = ("model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
+             "num_key_value_heads: 2, max_position_embeddings: 256, rope_theta: 500000}")
+    train(out / "run", *TINY, theta, "train.steps=2")
+    assert run_cli("export", str(out / "run"), str(out / "model")).returncode == 0
+    train(out / "lora-run", *TINY, f"model.path={out / 'model'}", "model.config={}", "lora.rank=4", "optim.lr=1e-2",
+          "train.steps=2")
+    assert run_cli("export", str(out / "lora-run"), str(out / "adapter")).returncode == 0
+    ids = AutoTokenizer.from_pretrained(out / "model")(TEXT)["input_ids"]
+    base = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    expected = {"ids": ids, "model": logits_of(base, ids)}
+    expected["adapter"] = logits_of(peft.PeftModel.from_pretrained(base, out / "adapter").eval(), ids)
+    (out / "expected.json").write_text(json.dumps(expected))
+
+
+def check(out: Path) -> None:
+    import peft
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    expected = json.loads((out / "expected.json").read_text())
+    ids = AutoTokenizer.from_pretrained(out / "model")(TEXT)["input_ids"]
+    assert ids == expected["ids"], f"token ids differ: {ids} != {expected['ids']}"
+    base = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    got = {"model": logits_of(base, ids)}  # before peft puts the adapter into `base`
+    got["adapter"] = logits_of(peft.PeftModel.from_pretrained(base, out / "adapter").eval(), ids)
+    for name in got:
+        diff = (torch.tensor(got[name]) - torch.tensor(expected[name])).abs().max().item()
+        assert diff < 1e-4, f"{name}: logits differ by {diff} under transformers {transformers.__version__}"
+    print(f"exports load under transformers {transformers.__version__} and peft {peft.__version__}: same logits")
+
+
+if __name__ == "__main__":
+    {"write": write, "check": check}[sys.argv[1]](Path(sys.argv[2]))
