@@ -193,7 +193,7 @@ def counting_fsync():
 
 def state_bytes(trainer: Trainer) -> tuple[int, int]:
     """Bytes of the model's and the optimizer's tensors."""
-    model = sum(t.numel() * t.element_size() for t in trainer.model.state_dict().values() if torch.is_tensor(t))
+    model = sum(t.numel() * t.element_size() for t in trainer.runner.model.state_dict().values() if torch.is_tensor(t))
     optim = 0
     for per_param in trainer.optimizer.state.values():
         optim += sum(t.numel() * t.element_size() for t in per_param.values() if torch.is_tensor(t))
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.start(None)
         trainer.train_steps(args.warmup)  # the optimizer state exists from here on
         model_b, optim_b = state_bytes(trainer)
-        hf = trainer.model.config
+        hf = trainer.runner.model.config
         print(f"model: {cfg.model.arch} {trainer.params['total'] / 1e6:.2f}M params (hidden "
               f"{getattr(hf, 'hidden_size', '?')}, {getattr(hf, 'num_hidden_layers', '?')} layers, vocab "
               f"{hf.vocab_size}); state: model {model_b / MB:.1f} MB + AdamW {optim_b / MB:.1f} MB = "

@@ -112,9 +112,9 @@ class HandWrittenSide:
         cfg = trainer.config
         self.device = trainer.device
         self.model = AutoModelForCausalLM.from_config(
-            trainer.model.config, attn_implementation=trainer.model.config._attn_implementation, dtype=torch.float32
+            trainer.runner.model.config, attn_implementation=trainer.runner.model.config._attn_implementation, dtype=torch.float32
         ).to(self.device)
-        self.model.load_state_dict(full_state(trainer.model))  # the trainer's initial weights
+        self.model.load_state_dict(full_state(trainer.runner.model))  # the trainer's initial weights
         self.model.train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
@@ -195,14 +195,14 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.train.eval_every or cfg.checkpoint.every:
                 print("note: evaluation / periodic checkpoints are on and are timed with clustertrain's steps")
             hand = HandWrittenSide(trainer)
-            assert same_weights(trainer.model, hand.model), "the two models do not start from the same weights"
+            assert same_weights(trainer.runner.model, hand.model), "the two models do not start from the same weights"
             ct = ClustertrainSide(trainer)
             sides = (ct, hand)
             build_s = time.perf_counter() - t0
 
             tokens_per_step = trainer.tokens_per_step
             p = trainer.params["total"]
-            hf = trainer.model.config
+            hf = trainer.runner.model.config
             print(f"model: {cfg.model.arch} {p / 1e6:.2f}M params (hidden {getattr(hf, 'hidden_size', '?')}, "
                   f"{getattr(hf, 'num_hidden_layers', '?')} layers, vocab {hf.vocab_size})")
             print(f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} = {tokens_per_step} tokens/step, "

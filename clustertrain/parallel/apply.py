@@ -1,5 +1,5 @@
 """The one entry to parallelism: on the meta model, PP stage -> TP -> activation checkpointing -> compile ->
-FSDP, then materialize; DDP last."""
+FSDP, then materialize; DDP last; the result is the runner of this rank's model parts (parallel/runner.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.mesh import Mesh
 from clustertrain.parallel.ac import apply_activation_checkpointing
 from clustertrain.parallel.compile import apply_compile
-from clustertrain.parallel.pp import stage_indices, tie_weights_across_stages
+from clustertrain.parallel.pp import Pipeline, stage_indices, tie_weights_across_stages
+from clustertrain.parallel.runner import LocalRunner, TokenLoss
 from clustertrain.parallel.stages import build_stage
 from clustertrain.parallel.tp import apply_tp
 
@@ -28,21 +29,25 @@ def parallelize(
     device: torch.device,
     blocks: tuple[type[nn.Module], ...],
     materialize: Callable[[nn.Module], None],
-) -> nn.Module | list[nn.Module]:
-    """Apply the layout to a meta-device `model` and materialize its weights.
+    loss: TokenLoss,
+    microbatches: int,
+) -> LocalRunner | Pipeline:
+    """Apply the layout to a meta-device `model`, materialize its weights, and return the runner of its parts.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
     weights, so it wraps after `materialize`. With `parallel.pp > 1` the model is first cut into this
-    rank's pipeline stages (`blocks` must come from the whole model), and the list of them is returned,
-    each stage laid out as a whole model would be.
+    rank's pipeline stages (`blocks` must come from the whole model), each laid out as a whole model would
+    be. Each step runs `microbatches` microbatches of a rank's rows through the parts, with `loss`.
     """
+    dtype = autocast_dtype(parallel, mesh)
     if parallel.pp > 1:
         indices, num_stages = stage_indices(parallel, mesh.pp_rank)
         stages = [_parallelize(build_stage(model, s, num_stages), parallel, mesh, device, blocks, materialize)
                   for s in indices]
         tie_weights_across_stages(stages, mesh)
-        return stages
-    return _parallelize(model, parallel, mesh, device, blocks, materialize)
+        return Pipeline(stages, parallel, mesh, device, microbatches, loss, dtype)
+    return LocalRunner(_parallelize(model, parallel, mesh, device, blocks, materialize), loss, microbatches, device,
+                       dtype)
 
 
 def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Module:

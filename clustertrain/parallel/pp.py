@@ -1,10 +1,9 @@
 """Pipeline parallelism: this rank's stage modules, their schedule, and the tied weights that the first and
 last stage each hold a copy of.
 
-    stages = parallelize(meta, parallel, mesh, ...)  # with parallel.pp > 1: this rank's PipelineStageModules
-    pipeline = Pipeline(stages, parallel, mesh, device, microbatches, loss_sum)  # loss_sum(output, labels)
-    loss_sum = pipeline.step(batch, dp_size, total_tokens)  # forward and backward of this rank's rows
-    pipeline.sync_tied_grads()                               # before clipping
+    pipeline = parallelize(meta, parallel, mesh, ...)  # with parallel.pp > 1: this rank's stages, as a runner
+    loss_sum = pipeline.forward_backward(batch, scale)  # forward and backward of this rank's rows
+    pipeline.sync_grads()                               # tied copies' gradients summed, before clipping
 
 gpipe and 1f1b run one stage per rank; interleaved_1f1b runs `parallel.pp_stages_per_rank`, stage s of
 pp × stages-per-rank on rank s % pp (the loop order torch's ScheduleInterleaved1F1B expects). Either way
@@ -14,11 +13,11 @@ Every stage of a pipeline reads the same rows (ranks that differ only in pp shar
 the input ids, the last stage the labels, both as the schedule's target and as its head's input, so that
 the head can compute the loss without full logits (clustertrain.train.loss); the schedule's loss function
 turns that stage's output, the loss or logits, into the scaled loss. Only the last stage has one.
+
+`Pipeline` is the runner of these layouts (the interface of clustertrain.parallel.runner).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from clustertrain.config.checks import INTERLEAVED
 from clustertrain.config.schema import ParallelConfig
+from clustertrain.distributed.collectives import all_reduce
 from clustertrain.distributed.mesh import Mesh
+from clustertrain.parallel.runner import TokenLoss, autocast
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -51,20 +52,24 @@ def tie_weights_across_stages(stages: list[nn.Module], mesh: Mesh) -> None:
 
 
 class Pipeline:
-    """This rank's stages with their schedule; `stages` are what the optimizer and checkpoints see.
+    """This rank's stages with their schedule: the runner of pipeline layouts (see clustertrain.parallel.runner).
 
     Attributes:
-        stages: this rank's stage modules (FSDP-wrapped when data-parallel), full-model parameter names,
+        parts: this rank's stage modules (FSDP-wrapped when data-parallel), full-model parameter names,
             in ascending stage order.
+        model: None: no stage holds the whole model (the end-of-run sample needs it).
+        pp_group: the pipeline's group, over which the last stage's loss and every stage's norm are gathered.
         tied_copies: the last stage's copies of tied weights: clipped, but left out of the norm (the first
             stage's copy counts them once, as the full model does).
     """
 
+    model = None
+
     def __init__(self, stages: list[nn.Module], parallel: ParallelConfig, mesh: Mesh, device: torch.device,
-                 microbatches: int, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        """`loss_sum(output, labels)`: the summed token loss from the last stage's output (see
-        clustertrain.train.loss.output_loss_sum)."""
-        self.stages, self.mesh, self.microbatches, self.loss_sum = stages, mesh, microbatches, loss_sum
+                 microbatches: int, loss: TokenLoss, autocast_dtype: torch.dtype | None):
+        self.parts, self.mesh, self.microbatches, self.loss = stages, mesh, microbatches, loss
+        self.device, self.autocast_dtype, self.pp_group = device, autocast_dtype, mesh.pp_group
+        self.schedule_name = parallel.pp_schedule
         pipes = [PipelineStage(m, m.stage_index, m.num_stages, device, group=mesh.pp_group) for m in stages]
         schedule = SCHEDULES[parallel.pp_schedule]
         # scale_grads=False: the loss is already a sum over the global batch divided by its token count.
@@ -76,23 +81,34 @@ class Pipeline:
         self.tied_copies = [m.get_parameter(head) for m in stages if m.is_last for head, _ in m.tied_names]
         self._tied = [p for p in first + self.tied_copies if p.requires_grad]
 
-    def step(self, batch: dict[str, torch.Tensor], dp_size: int, total_tokens: torch.Tensor,
-             loss_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward and backward of this rank's rows through the pipeline; the backward of the loss times
-        `loss_scale` (float16's loss scaling) when given.
+    def forward_backward(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of this rank's rows through the pipeline: the backward of every microbatch's
+        summed token loss times `scale`.
 
         Returns:
-            the summed token loss on the last stage (unscaled), 0 on the others.
+            the summed token loss on the last stage, 0 on the others.
         """
-        if loss_scale is not None:  # dividing the token count scales every microbatch's loss alike
-            total_tokens = total_tokens / loss_scale
-        return self._run(self.schedule.step, batch, dp_size, total_tokens)
+        with self.autocast():
+            return self._run(self.schedule.step, batch, scale)
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward only: the summed token loss on the last stage, 0 on the others."""
-        return self._run(self.schedule.eval, batch, 1, torch.ones((), device=batch["labels"].device))
+        """Forward only: the summed token loss of the batch, on every stage (the last stage's, shared)."""
+        with self.autocast():
+            loss = self._run(self.schedule.eval, batch, torch.ones((), device=batch["labels"].device))
+        return all_reduce(loss, group=self.pp_group)
 
-    def _run(self, run, batch, dp_size, total_tokens) -> torch.Tensor:
+    def autocast(self):
+        return autocast(self.device, self.autocast_dtype)
+
+    def describe(self) -> str:
+        return (f", pp={self.mesh.pp} {self.schedule_name} x {self.microbatches} microbatches, "
+                f"{len(self.parts)} stage(s) per rank")
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def _run(self, run, batch, scale) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         inputs = ()
         if self.mesh.is_first_stage:
@@ -103,19 +119,18 @@ class Pipeline:
             inputs = (ids, positions)
         target = batch["labels"] if self.mesh.is_last_stage else None
         head_inputs = {"labels": target} if target is not None else {}  # a keyword of this rank's stages
-        run(*inputs, target=target, losses=losses if target is not None else None,
-            loss_kwargs={"dp_size": dp_size, "total_tokens": total_tokens}, **head_inputs)
+        run(*inputs, target=target, losses=losses if target is not None else None, loss_kwargs={"scale": scale},
+            **head_inputs)
         if not losses:
             return torch.zeros((), device=batch["labels"].device)
-        return torch.stack([loss.detach() for loss in losses]).sum() * total_tokens / dp_size
+        return torch.stack([loss.detach() for loss in losses]).sum() / scale
 
-    def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor, dp_size: int,
-                     total_tokens: torch.Tensor) -> torch.Tensor:
-        """A microbatch's loss as train_step scales it: the summed token loss * dp / global tokens."""
-        return self.loss_sum(output, labels) * dp_size / total_tokens
+    def _scaled_loss(self, output: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """A microbatch's summed token loss times `scale` (a local runner's backward does the same)."""
+        return self.loss.output_loss_sum(output, labels) * scale
 
     @torch.no_grad()
-    def sync_tied_grads(self) -> None:
+    def sync_grads(self) -> None:
         """Sum the gradients of tied copies between the first and last stage, so both take the same update."""
         if not self._tied:
             return

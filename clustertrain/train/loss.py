@@ -256,3 +256,11 @@ def token_loss_sum(
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "device_mesh")
+
+
+class TokenLoss:
+    """The loss every layout trains with, handed to the runners (clustertrain.parallel.runner.TokenLoss)."""
+
+    model_loss_sum = staticmethod(token_loss_sum)
+    output_loss_sum = staticmethod(output_loss_sum)
+

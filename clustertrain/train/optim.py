@@ -12,11 +12,11 @@ from clustertrain.config.schema import OptimConfig
 from clustertrain.errors import ConfigError
 
 
-class StageOptimizers:
-    """One AdamW per pipeline stage of this rank, used as one optimizer (param_groups, step, zero_grad).
+class Optimizers:
+    """One AdamW per model part, used as one optimizer (param_groups, step, zero_grad).
 
-    Checkpoints need one optimizer per module (torch's `get_state_dict(module, optimizer)`), and a rank
-    holds several stage modules under interleaved schedules.
+    Checkpoints need one optimizer per module (torch's `get_state_dict(module, optimizer)`), and a pipeline
+    rank holds several stage modules under interleaved schedules; a whole model is one part.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer]):
@@ -35,14 +35,12 @@ class StageOptimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
 
 
-def build_optimizer(model: nn.Module | list[nn.Module], optim: OptimConfig,
-                    loss_scaling: bool = False) -> torch.optim.AdamW | StageOptimizers:
-    """AdamW over the trainable parameters: matrices decay, vectors (norms, biases) do not (as in nanoGPT).
+def build_optimizer(parts: list[nn.Module], optim: OptimConfig, loss_scaling: bool = False) -> Optimizers:
+    """AdamW over each part's trainable parameters: matrices decay, vectors (norms, biases) do not (as in nanoGPT)."""
+    return Optimizers([_adamw(part, optim, loss_scaling) for part in parts])
 
-    A list of pipeline stages gets one AdamW each, in a StageOptimizers.
-    """
-    if isinstance(model, list):
-        return StageOptimizers([build_optimizer(stage, optim, loss_scaling) for stage in model])
+
+def _adamw(model: nn.Module, optim: OptimConfig, loss_scaling: bool) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": optim.weight_decay},

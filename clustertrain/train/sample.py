@@ -13,7 +13,7 @@ from clustertrain.data.plan import DataPlan
 from clustertrain.data.sft import render_example
 from clustertrain.data.sources import text_of
 from clustertrain.distributed.collectives import broadcast
-from clustertrain.train.step import autocast
+from clustertrain.parallel.runner import autocast
 
 PROMPT_TOKENS = 16  # of a document, when the prompt comes from the data
 

@@ -8,7 +8,6 @@ go on) before any checkpoint of a bad state is written, without a host sync per 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,14 +16,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.parallel import DistributedDataParallel
 
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.distributed.collectives import all_reduce
 from clustertrain.errors import UserError
 from clustertrain.parallel.pp import Pipeline
-from clustertrain.train.loss import token_loss_sum
-from clustertrain.train.optim import StageOptimizers
+from clustertrain.parallel.runner import LocalRunner
+from clustertrain.train.optim import Optimizers
+
+Runner = LocalRunner | Pipeline
 
 DIVERGED_EXIT_CODE = 3
 MAX_SKIPS_IN_A_ROW = 10  # train.on_nan: skip gives up after this many non-finite steps in a row
@@ -79,89 +79,42 @@ def count_tokens(batch: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | N
 
 
 def train_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    runner: Runner,
+    optimizer: Optimizers,
     batch: dict[str, torch.Tensor],
     *,
-    micro_batch_size: int,
     dp_size: int,
     dp_group: dist.ProcessGroup | None,
     grad_clip: float,
-    autocast_dtype: torch.dtype | None = None,
     scaler: ShardedGradScaler | None = None,
     on_nan: str = "stop",
 ) -> StepResult:
-    """Forward/backward this rank's share of a global batch, clip and update.
+    """Forward/backward this rank's share of a global batch through the runner's parts, clip and update.
 
     The loss is normalized by the global number of loss tokens, and scaled by `dp_size` because DDP and
     FSDP average gradients over ranks, so every layout computes the gradient of the same global mean.
     Under float16 `scaler` scales the loss up so that small gradients survive, and skips a step whose
-    gradients overflowed on any rank.
+    gradients overflowed on any rank (of the world: the other pipeline stages included).
 
     Returns:
-        this rank's summed loss, the global loss-token count, and the global gradient norm before clipping.
+        this rank's summed loss (0 on pipeline stages but the last), the global loss-token count, and the
+        global gradient norm before clipping.
     """
     total_tokens = count_tokens(batch, dp_group)
-    local_loss = torch.zeros((), device=batch["input_ids"].device)
-    n_micro = math.ceil(batch["input_ids"].shape[0] / micro_batch_size)
-    with out_of_memory_named(micro_batch_size, batch["input_ids"].shape[1]):
-        for i in range(n_micro):
-            rows = slice(i * micro_batch_size, (i + 1) * micro_batch_size)
-            last = i == n_micro - 1
-            sync = (model.no_sync() if isinstance(model, DistributedDataParallel) and not last
-                    else contextlib.nullcontext())
-            with sync, autocast(batch["input_ids"].device, autocast_dtype):
-                positions = batch.get("position_ids")
-                loss_sum = token_loss_sum(model, batch["input_ids"][rows], batch["labels"][rows],
-                                          None if positions is None else positions[rows])
-                loss = loss_sum * dp_size / total_tokens
-                (scaler.scale(loss) if scaler else loss).backward()
-            local_loss += loss_sum.detach()
+    scale = dp_size / total_tokens
+    rows, seq_len = batch["input_ids"].shape
+    with out_of_memory_named(rows // runner.microbatches, seq_len):
+        local_loss = runner.forward_backward(batch, scaler.scale(scale) if scaler else scale)
+    runner.sync_grads()
     if scaler:
         scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(model, grad_clip)
+    grad_norm = clip_grad_norm(runner.parts, grad_clip, pp_group=runner.pp_group, uncounted=runner.tied_copies)
     finite = update(optimizer, grad_norm, scaler, on_nan)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(local_loss, total_tokens, grad_norm, finite)
 
 
-def pipeline_train_step(
-    pipeline: Pipeline,
-    optimizer: torch.optim.Optimizer | StageOptimizers,
-    batch: dict[str, torch.Tensor],
-    *,
-    dp_size: int,
-    dp_group: dist.ProcessGroup | None,
-    grad_clip: float,
-    autocast_dtype: torch.dtype | None = None,
-    scaler: ShardedGradScaler | None = None,
-    on_nan: str = "stop",
-) -> StepResult:
-    """train_step under pipeline parallelism: one schedule step over this rank's rows, then the same loss,
-    clip and update, with tied copies summed first and the norm taken over every stage.
-
-    Under float16 `scaler` treats the rank's stage optimizers as one (StageOptimizers has param_groups and
-    step), and agrees on skipping a step with every rank of the world, the other stages included.
-
-    Returns:
-        the summed loss (on the last stage; 0 on the others), the global loss-token count, the global norm.
-    """
-    total_tokens = count_tokens(batch, dp_group)
-    device = batch["input_ids"].device
-    loss_scale = scaler.scale(torch.ones((), device=device)) if scaler else None
-    with autocast(device, autocast_dtype):
-        local_loss = pipeline.step(batch, dp_size, total_tokens, loss_scale)
-    pipeline.sync_tied_grads()
-    if scaler:
-        scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm(pipeline.stages, grad_clip, pp_group=pipeline.mesh.pp_group,
-                               uncounted=pipeline.tied_copies)
-    finite = update(optimizer, grad_norm, scaler, on_nan)
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(local_loss, total_tokens, grad_norm, finite)
-
-
-def update(optimizer: torch.optim.Optimizer | StageOptimizers, grad_norm: torch.Tensor,
+def update(optimizer: Optimizers, grad_norm: torch.Tensor,
            scaler: ShardedGradScaler | None, on_nan: str) -> torch.Tensor | None:
     """The optimizer step, not applied when the global gradient norm is NaN or inf.
 
@@ -180,10 +133,9 @@ def update(optimizer: torch.optim.Optimizer | StageOptimizers, grad_norm: torch.
         scaler.update()
         return None
     finite = torch.isfinite(grad_norm)
-    optimizers = getattr(optimizer, "optimizers", [optimizer])  # a pipeline rank's StageOptimizers
-    if all(getattr(o, "_step_supports_amp_scaling", False) for o in optimizers):
+    if all(getattr(o, "_step_supports_amp_scaling", False) for o in optimizer.optimizers):
         found_inf = (~finite).float()
-        for o in optimizers:
+        for o in optimizer.optimizers:
             o.grad_scale, o.found_inf = None, found_inf
             try:
                 o.step()
@@ -242,19 +194,18 @@ class NonFiniteSteps:
                         f"(now {lr:g}) and {then}")
 
 
-def clip_grad_norm(model: nn.Module | list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None = None,
+def clip_grad_norm(parts: list[nn.Module], max_norm: float, pp_group: dist.ProcessGroup | None = None,
                    uncounted: list[nn.Parameter] = ()) -> torch.Tensor:
     """Clip to the global norm (sharded gradients reduce across ranks); 0 only measures it.
 
     Gradients may live on different meshes (tp-split linears on (dp, tp), the rest on dp, or plain
     tensors), and a norm reduces only within one mesh, so each mesh's norm is taken on its own. Under
-    pipeline parallelism `model` is this rank's list of stages, `pp_group` adds the other ranks' norms,
+    pipeline parallelism `parts` are this rank's stages, `pp_group` adds the other ranks' norms,
     and `uncounted` names this rank's copies of weights another stage also holds (tied heads): clipped,
     but counted only once.
     """
-    modules = model if isinstance(model, list) else [model]
     by_mesh: dict[object, list[nn.Parameter]] = {}
-    for p in (p for module in modules for p in module.parameters()):
+    for p in (p for part in parts for p in part.parameters()):
         if p.grad is not None:
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     skip = {id(p) for p in uncounted}
@@ -286,10 +237,3 @@ def global_mean_loss(result: StepResult, dp_group: dist.ProcessGroup | None,
         if group is not None:
             total = all_reduce(total, group=group)
     return (total / result.tokens.to(total.device)).item()
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    """torch.autocast in `dtype`, or nothing when the layout casts by itself (FSDP2's policy) or runs fp32."""
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)

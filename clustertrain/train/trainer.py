@@ -41,18 +41,16 @@ from clustertrain.model.estimate import (check_memory_floor, count_params, model
 from clustertrain.model.kernels import apply_kernels
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
 from clustertrain.model.weights import materialize
-from clustertrain.parallel.apply import DTYPES, autocast_dtype, data_parallel_wrapper, parallelize, unwrap
-from clustertrain.parallel.pp import Pipeline
+from clustertrain.parallel.apply import DTYPES, data_parallel_wrapper, parallelize, unwrap
 from clustertrain.parallel.tp import model_shape
 from clustertrain.train.lock import RunLock, lock_run_dir
-from clustertrain.train.loss import apply_loss_head, output_loss_sum, resolve_loss
+from clustertrain.train.loss import TokenLoss, apply_loss_head, resolve_loss
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.profile import StepProfiler
 from clustertrain.train.sample import data_prompt, sample_ids
 from clustertrain.train.status import write_status
-from clustertrain.train.step import (NonFiniteSteps, StepResult, autocast, global_mean_loss, pipeline_train_step,
-                                     token_loss_sum, train_step)
+from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, train_step
 
 
 @dataclass
@@ -133,17 +131,15 @@ class Trainer:
         self.kernel_notes = [note for note in (kernels.note, loss_note) if note]  # said by rank 0 at start
         self.params = count_params(meta)
         self.flops_per_token = model_flops_per_token(meta, cfg.data.seq_len)
-        self.model = parallelize(
+        self.runner = parallelize(
             meta, cfg.parallel, self.mesh, self.device, block_classes(meta),
             materialize=lambda m: materialize(m, self.device, cfg.train.seed, self.snapshot),
-        )  # with parallel.pp > 1: the list of this rank's pipeline stages
-        self.pipeline = None
-        if cfg.parallel.pp > 1:
-            self.pipeline = Pipeline(self.model, cfg.parallel, self.mesh, self.device, self.microbatches,
-                                     output_loss_sum)
+            loss=TokenLoss(), microbatches=self.microbatches,
+        )
         # The largest rank's peak memory once the weights are in place: what loading the model cost.
         self.load_mem_gb, = reduce_values([memory_gb(self.device)], op="max")
-        self.optimizer = build_optimizer(self.model, cfg.optim, loss_scaling=cfg.parallel.param_dtype == "float16")
+        self.optimizer = build_optimizer(self.runner.parts, cfg.optim,
+                                         loss_scaling=cfg.parallel.param_dtype == "float16")
         self.scaler = (ShardedGradScaler(self.device.type, init_scale=cfg.parallel.loss_scale)
                        if cfg.parallel.param_dtype == "float16" else None)
         self.total_steps = total_steps(cfg)
@@ -206,7 +202,7 @@ class Trainer:
             return None
         if not path.is_dir():
             raise CheckpointError(f"train.resume: checkpoint {path} does not exist")
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer, snapshot=self.snapshot)
+        state = ckpt.load_checkpoint(path, self.runner.parts, self.optimizer, snapshot=self.snapshot)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         if "data" in state:  # an imported model starts the data from the beginning
             self.loader.load_state_dict(state["data"])
@@ -276,7 +272,6 @@ class Trainer:
         self.stop_step = self.total_steps
         if cfg.train.stop_after_steps:
             self.stop_step = min(self.total_steps, self.step + cfg.train.stop_after_steps)
-        self._autocast = autocast_dtype(cfg.parallel, self.mesh)
         self.non_finite = NonFiniteSteps(cfg.train.on_nan, self.device)
         self._timer = _Timer(self.step)
 
@@ -288,18 +283,9 @@ class Trainer:
                 group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
             self.profiler.step_started(self.step + 1)
             batch = self._next_batch(self.loader)
-            if self.pipeline:
-                result = pipeline_train_step(
-                    self.pipeline, self.optimizer, batch, dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group,
-                    grad_clip=cfg.optim.grad_clip, autocast_dtype=self._autocast, scaler=self.scaler,
-                    on_nan=cfg.train.on_nan,
-                )
-            else:
-                result = train_step(
-                    self.model, self.optimizer, batch, micro_batch_size=self.micro_batch_size,
-                    dp_size=self.mesh.dp_size, dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip,
-                    autocast_dtype=self._autocast, scaler=self.scaler, on_nan=cfg.train.on_nan,
-                )
+            result = train_step(self.runner, self.optimizer, batch, dp_size=self.mesh.dp_size,
+                                dp_group=self.mesh.dp_group, grad_clip=cfg.optim.grad_clip, scaler=self.scaler,
+                                on_nan=cfg.train.on_nan)
             self.step += 1
             self.tokens_seen += self.tokens_per_step
             self.non_finite.record(self.step, result)
@@ -348,7 +334,7 @@ class Trainer:
         summary.steps = self.step
         if self.audit:
             self.audit.close()
-        if self.pipeline and self.config.train.sample_tokens:
+        if self.runner.model is None and self.config.train.sample_tokens:
             self.logger.info("train.sample_tokens: no end-of-run sample under parallel.pp > 1; `clustertrain "
                              f"generate {self.run_dir}` samples from the checkpoint")
         elif self.step >= self.total_steps and self.config.train.sample_tokens and self.tokenizer is not None:
@@ -361,7 +347,7 @@ class Trainer:
         return summary
 
     def _log(self, result: StepResult) -> None:
-        loss = global_mean_loss(result, self.mesh.dp_group, self._pp_group())
+        loss = global_mean_loss(result, self.mesh.dp_group, self.runner.pp_group)
         elapsed, steps = self._timer.elapsed(self.step)
         tokens_per_s = self.tokens_per_step * steps / elapsed if elapsed > 0 else None
         world = dist.get_world_size()
@@ -384,13 +370,6 @@ class Trainer:
         })
         self._timer.reset(self.step)
 
-    def _model_parts(self) -> list[torch.nn.Module]:
-        """The model, or this rank's pipeline stages."""
-        return self.model if isinstance(self.model, list) else [self.model]
-
-    def _pp_group(self) -> dist.ProcessGroup | None:
-        return self.mesh.pp_group if self.pipeline else None
-
     def _data_metrics(self) -> dict[str, float]:
         """Realized mixture proportions (share of tokens per source so far) and skipped bad records, global."""
         labels = self.plan.labels
@@ -405,24 +384,15 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> float:
         """Mean loss and perplexity over `train.eval_batches` held-out global batches."""
-        for part in self._model_parts():
-            part.eval()
+        self.runner.train(False)
         loader = self._loader("eval")
         totals = torch.zeros(2, device=self.device)
         for _ in range(self.config.train.eval_batches):
             batch = self._next_batch(loader)
-            with autocast(self.device, self._autocast):
-                if self.pipeline:  # the last stage's loss; 0 on the others, summed over the pipeline below
-                    totals[0] += self.pipeline.eval_loss_sum(batch)
-                else:
-                    totals[0] += token_loss_sum(self.model, batch["input_ids"], batch["labels"],
-                                                batch.get("position_ids"))
+            totals[0] += self.runner.eval_loss_sum(batch)
             totals[1] += batch["labels"].ne(IGNORE_INDEX).sum()
         totals = all_reduce(totals, group=self.mesh.dp_group)
-        if self.pipeline:  # only the last stage has a loss
-            totals[0] = all_reduce(totals[0], group=self.mesh.pp_group)
-        for part in self._model_parts():
-            part.train()
+        self.runner.train()
         loss = (totals[0] / totals[1]).item()
         self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
         self._timer.reset(self.step)  # evaluation time is not training throughput
@@ -456,7 +426,7 @@ class Trainer:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(folder / "tokenizer")
 
-        path = self.checkpoints.save(self.step, self.model, self.optimizer, state, write_extras, wait=wait,
+        path = self.checkpoints.save(self.step, self.runner.parts, self.optimizer, state, write_extras, wait=wait,
                                      final=final)
         self.saved_step = self.step
         self._commit(path)
@@ -477,7 +447,7 @@ class Trainer:
         """Raise Diverged if `train.on_nan` ends the run here; one host read of a few numbers (all ranks call)."""
         if self.non_finite.ended():
             self._commit(self.checkpoints.finalize())  # a save in flight is of an earlier, finite step
-            raise self.non_finite.error(self.mesh.dp_group, self._pp_group(), self.summary.checkpoint,
+            raise self.non_finite.error(self.mesh.dp_group, self.runner.pp_group, self.summary.checkpoint,
                                         self.config.optim.lr)
 
     def _commit(self, path: Path | None) -> None:
@@ -515,10 +485,10 @@ class Trainer:
         together = data_parallel_wrapper(self.config.parallel, self.mesh) == "fsdp"
         if not (together or self.rank0):
             return ""
-        model = self.model if together else unwrap(self.model)
+        model = self.runner.model if together else unwrap(self.runner.model)
         model.eval()
         start = self.tokenizer(prompt).input_ids if prompt is not None else data_prompt(self.plan, self.tokenizer)
-        ids = sample_ids(model, start, max_new_tokens, self.tokenizer.eos_token_id, self.device, self._autocast,
+        ids = sample_ids(model, start, max_new_tokens, self.tokenizer.eos_token_id, self.device, self.runner.autocast_dtype,
                          together)
         model.train()
         return self.tokenizer.decode(ids[0], skip_special_tokens=True)
@@ -533,7 +503,7 @@ class Trainer:
             self.logger.close()
         # The model goes before the process groups: DDP's reducer must not drop the last reference to a gloo
         # group, whose destructor then joins gloo's threads while holding the GIL they wait for (a hang at exit).
-        self.__dict__.pop("model", None)
+        self.__dict__.pop("runner", None)
         self.__dict__.pop("optimizer", None)
         gc.collect()
         close_distributed()
@@ -551,12 +521,10 @@ class Trainer:
             f"{self.info.world_size} rank(s) on {self.info.world_size // self.info.local_world_size} node(s) "
             f"via {self.info.launcher} on {self.device.type}, "
             f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard}, "
-            f"tp={self.mesh.tp}"
-            + (f", pp={self.mesh.pp} {cfg.parallel.pp_schedule} x {self.microbatches} microbatches, "
-               f"{len(self.model)} stage(s) per rank" if self.pipeline else "") + ")"
+            f"tp={self.mesh.tp}{self.runner.describe()})"
         )
         capped = (f", train.micro_batch_size {cfg.train.micro_batch_size} capped at a rank's share"
-                  if cfg.train.micro_batch_size > self.micro_batch_size and not self.pipeline else "")
+                  if cfg.train.micro_batch_size > self.micro_batch_size and cfg.parallel.pp == 1 else "")
         self.logger.info(
             f"batch: {cfg.train.global_batch_size} seq x {cfg.data.seq_len} tokens = {self.tokens_per_step} tokens/step "
             f"({self.mesh.dp_size} ranks x {cfg.train.global_batch_size // self.mesh.dp_size} seq, micro {self.micro_batch_size}"

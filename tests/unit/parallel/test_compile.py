@@ -20,7 +20,7 @@ from clustertrain.lora import apply_lora
 from clustertrain.model.load import block_classes
 from clustertrain.parallel.ac import apply_activation_checkpointing
 from clustertrain.parallel.compile import apply_compile
-from clustertrain.train.step import token_loss_sum
+from clustertrain.train.loss import token_loss_sum
 
 VOCAB = 128
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

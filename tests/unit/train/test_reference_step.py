@@ -72,14 +72,14 @@ def test_one_rank_step_equals_a_hand_written_step(tmp_path):
             vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
         ))
-        reference.load_state_dict(trainer.model.state_dict(), strict=True)
+        reference.load_state_dict(trainer.runner.model.state_dict(), strict=True)
         before = {name: p.detach().clone() for name, p in reference.named_parameters()}
 
         trainer.train_steps(2)
         trainer.logger.close()
         measured = reference_steps(reference, batches)
         logged = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r}
-        trained = dict(trainer.model.named_parameters())
+        trained = dict(trainer.runner.model.named_parameters())
     finally:
         trainer.close()
 

@@ -4,7 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from clustertrain.train.step import MAX_SKIPS_IN_A_ROW, NonFiniteSteps, StepResult, token_loss_sum, update
+from clustertrain.train.loss import token_loss_sum
+from clustertrain.train.optim import Optimizers
+from clustertrain.train.step import MAX_SKIPS_IN_A_ROW, NonFiniteSteps, StepResult, update
 
 
 @pytest.fixture(scope="module")
@@ -57,13 +59,14 @@ def test_loss_sum_ignores_masked_labels(model):
 ])
 def test_a_non_finite_step_is_not_applied(kernel, on_nan, applied):
     weight = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.AdamW([weight], lr=0.1, **{kernel: True})
+    adamw = torch.optim.AdamW([weight], lr=0.1, **{kernel: True})
+    optimizer = Optimizers([adamw])
     weight.grad = torch.ones(3)
     assert update(optimizer, torch.tensor(1.0), None, on_nan)
-    before = {k: v.clone() for k, v in optimizer.state[weight].items()}, weight.detach().clone()
+    before = {k: v.clone() for k, v in adamw.state[weight].items()}, weight.detach().clone()
     weight.grad = torch.full((3,), float("nan"))
     assert not update(optimizer, torch.tensor(float("nan")), None, on_nan)
-    state = optimizer.state[weight]
+    state = adamw.state[weight]
     assert torch.isnan(weight).all().item() is applied
     if not applied:
         assert torch.equal(weight, before[1]) and all(torch.equal(state[k], v) for k, v in before[0].items())

@@ -1,0 +1,93 @@
+"""How a step's batch runs through this rank's model parts: one runner per kind of layout, one interface.
+
+    runner = parallelize(meta, parallel, mesh, device, blocks, materialize, loss, microbatches)
+    loss_sum = runner.forward_backward(batch, scale)  # backward of (summed token loss x scale), every microbatch
+    runner.sync_grads()                               # before clipping
+    runner.eval_loss_sum(batch)                       # forward only
+
+`runner.parts` are what the optimizer and checkpoints see (full-model parameter names): the model itself for
+a `LocalRunner` (one process's whole model, plain, DDP, FSDP or tensor-parallel), this rank's stages for the
+pipeline's runner (`clustertrain.parallel.pp.Pipeline`). The loss is handed in (`TokenLoss`), so this layer
+never imports the training layer; each runner applies the autocast its layout needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class TokenLoss(Protocol):
+    """The summed next-token loss of a batch (clustertrain.train.loss.TOKEN_LOSS)."""
+
+    def model_loss_sum(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                       position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Forward a whole model on the rows; their summed token loss."""
+
+    def output_loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss from a last pipeline stage's output."""
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast in `dtype`, or nothing when the layout casts by itself (FSDP2's policy) or runs fp32."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+class LocalRunner:
+    """A whole model on each rank: microbatches with gradient accumulation (DDP syncs only the last one).
+
+    Attributes:
+        parts: `[model]`, the model as the layout wrapped it.
+        model: that model, for the end-of-run sample.
+        pp_group: None (no loss or norm to gather from other stages); tied_copies: none.
+    """
+
+    pp_group: dist.ProcessGroup | None = None
+    tied_copies: list[nn.Parameter] = []
+
+    def __init__(self, model: nn.Module, loss: TokenLoss, microbatches: int, device: torch.device,
+                 autocast_dtype: torch.dtype | None):
+        self.model, self.parts = model, [model]
+        self.loss, self.microbatches, self.device, self.autocast_dtype = loss, microbatches, device, autocast_dtype
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+        """Backward of each microbatch's summed token loss times `scale`; returns this rank's loss sum (detached)."""
+        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
+        rows = ids.shape[0] // self.microbatches
+        total = torch.zeros((), device=ids.device)
+        for i in range(self.microbatches):
+            part = slice(i * rows, (i + 1) * rows)
+            last = i == self.microbatches - 1
+            sync = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) and not last \
+                else contextlib.nullcontext()
+            with sync, self.autocast():
+                loss_sum = self.loss.model_loss_sum(self.model, ids[part], labels[part],
+                                                    None if positions is None else positions[part])
+                (loss_sum * scale).backward()
+            total += loss_sum.detach()
+        return total
+
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only: the summed token loss of the batch."""
+        with self.autocast():
+            return self.loss.model_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
+
+    def sync_grads(self) -> None:
+        """Nothing to do: DDP and FSDP reduced the gradients in the backward."""
+
+    def autocast(self):
+        return autocast(self.device, self.autocast_dtype)
+
+    def describe(self) -> str:
+        return ""
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
