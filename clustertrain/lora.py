@@ -42,10 +42,9 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig, base_dtype: torch.dtype
 
 
 def is_lora(model: nn.Module) -> bool:
-    """A peft-wrapped model, or a pipeline stage of one."""
-    from clustertrain.parallel.stages import LoraStage
-
-    return isinstance(model, (peft.PeftModel, LoraStage))
+    """A peft-wrapped model, or a pipeline stage of one (clustertrain.parallel.stages.LoraStage, which stands in
+    for the PeftModel with the same `get_base_model()`)."""
+    return isinstance(model, peft.PeftModel) or callable(getattr(model, "get_base_model", None))
 
 
 def hf_name(name: str) -> str:

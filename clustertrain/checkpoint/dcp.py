@@ -58,7 +58,7 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
                  writer: dcp.FileSystemWriter | None = None, trainable_only: bool = False):
     """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
 
-    `model` may be a rank's list of pipeline stages, with its StageOptimizers: their state dicts, keyed by
+    `model` may be a rank's list of pipeline stages, with its Optimizers: their state dicts, keyed by
     full-model names, are saved as one. `trainable_only` (LoRA on a snapshot) leaves out the frozen parameters,
     which the train state's base reference (`clustertrain.checkpoint.base`) stands for. With `async_group` (a
     process group of its own, so background collectives never interleave with training's) the writes go on in
@@ -170,7 +170,7 @@ def load_checkpoint(path: Path, model: nn.Module | list[nn.Module], optimizer,
                     snapshot: Path | None = None) -> dict[str, Any]:
     """Load a checkpoint into this run's (possibly differently sharded) model and optimizer.
 
-    `model` may be a rank's list of pipeline stages, with its StageOptimizers (see write_shards). Every rank
+    `model` may be a rank's list of pipeline stages, with its Optimizers (see write_shards). Every rank
     calls this. Nothing is loaded before every file the load needs and every tensor's shape have been checked.
     A LoRA checkpoint that holds only what trains (its train state has a `base`) is loaded over the frozen base
     already in `model`, which must come from `snapshot`, the base it was trained on.

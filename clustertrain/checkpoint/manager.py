@@ -1,15 +1,12 @@
-"""When to save, what to keep, and when to stop: retention, async saves, disk errors, preemption.
+"""When to save and what to keep: retention, async saves, disk errors.
 
-Slurm warns a job before killing it (SIGUSR1 from `--signal`, SIGTERM on preemption, cancellation and
-time limit); a user presses Ctrl-C (SIGINT). A warning may reach only some ranks, so ranks agree at every
-step boundary (one tiny all-reduce on a CPU group) and all save the same step; the process then exits
-with REQUEUE_EXIT_CODE. A run's last save must succeed: if it fails, the run fails with SAVE_FAILED_EXIT_CODE.
+A run's last save must succeed: if it fails, the run fails with SAVE_FAILED_EXIT_CODE. (Stopping on a
+signal or the walltime, and the exit code that asks for a requeue, are clustertrain.distributed.stop's.)
 """
 
 from __future__ import annotations
 
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -25,10 +22,7 @@ from torch.optim import Optimizer
 
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.config.schema import CheckpointConfig
-from clustertrain.distributed.collectives import reduce_values
-from clustertrain.distributed.spawn import STOP_SIGNALS, EarlySignals
 from clustertrain.errors import CheckpointError
-from clustertrain.train.status import REQUEUE_EXIT_CODE
 
 WRITE_ERRORS = (Exception, CheckpointException)  # DCP's exception derives from BaseException
 SAVE_FAILED_EXIT_CODE = 74  # EX_IOERR: a checkpoint could not be written (disk full, quota, permissions)
@@ -42,62 +36,6 @@ class SaveFailed(CheckpointError):
     """
 
     exit_code = SAVE_FAILED_EXIT_CODE
-
-
-class Preempted(Exception):
-    """Training stopped early on a signal or the walltime, after saving; the launcher should requeue."""
-
-    exit_code = REQUEUE_EXIT_CODE
-
-    def __init__(self, reason: str, step: int, checkpoint: Path | None):
-        super().__init__(f"stopped by {reason} at step {step}"
-                         + (f" after saving {checkpoint}" if checkpoint else "") + f"; exit {REQUEUE_EXIT_CODE} = requeue me")
-        self.checkpoint = checkpoint
-
-
-class StopRequests:
-    """Collects SIGTERM/SIGUSR1/SIGINT and the walltime deadline; `agreed()` is a collective every rank calls.
-
-    Signals that came before it listened (the CLI's EarlySignals, from the first instant of the process) are
-    taken over, so a warning during start-up is honoured at step 1. Ctrl-C while a stop is already under
-    way (a second Ctrl-C) raises KeyboardInterrupt: exit at once, without the save.
-    """
-
-    SIGNALS = STOP_SIGNALS
-    REASONS = ("walltime", *(s.name for s in STOP_SIGNALS))
-
-    def __init__(self, walltime_s: float | None, margin_s: float):
-        self.reason: str | None = None
-        self.deadline = time.monotonic() + walltime_s - margin_s if walltime_s else None
-        self._group = None
-        self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        self._early = next((h for h in self._previous.values() if isinstance(h, EarlySignals)), None)
-        if self._early and self._early.received:
-            self.reason = signal.Signals(self._early.received[0]).name
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGINT and self.reason is not None:
-            raise KeyboardInterrupt  # the second Ctrl-C: the user does not want to wait for the save
-        self.reason = self.reason or signal.Signals(signum).name
-        if self._early is not None:  # after close() too, while the process exits, a second Ctrl-C is one
-            self._early.received.append(signum)
-
-    def agreed(self) -> str | None:
-        """The stop reason if any rank has one (every rank gets the same answer), else None."""
-        if self.reason is None and self.deadline is not None and time.monotonic() > self.deadline:
-            self.reason = "walltime"
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self.reason
-        if self._group is None:  # gloo keeps this off the GPU stream: no device sync per step
-            self._group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
-        code, = reduce_values([0 if self.reason is None else 1 + self.REASONS.index(self.reason)],
-                              group=self._group, op="max")
-        code = int(code)
-        return None if code == 0 else self.REASONS[code - 1]
-
-    def close(self) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 class CheckpointManager:

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args) or 0
     except UserError as e:
         shown = getattr(e, "shown", False)  # by the rank that had it (clustertrain/distributed/failures.py)
+        from clustertrain.distributed.env import is_rank0
+
         if (is_rank0() or getattr(args, "log_all_ranks", False)) and not shown:
             print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -67,17 +69,3 @@ def work_offline(env: dict[str, str] = os.environ) -> None:
     huggingface_hub are imported (they read it once); an explicit HF_HUB_OFFLINE=0 asks for the hub."""
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", env["HF_HUB_OFFLINE"])
-
-
-def is_rank0() -> bool:
-    """Whether this process is rank 0 (the one that talks), with or without a process group."""
-    import torch.distributed as dist
-
-    from clustertrain.distributed.env import detect_launcher
-
-    if dist.is_initialized():
-        return dist.get_rank() == 0
-    try:
-        return detect_launcher().rank == 0
-    except UserError:
-        return True

@@ -57,7 +57,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     from clustertrain.cli.generate_cmd import quiet_transformers
     from clustertrain.data.synthetic import read_task
-    from clustertrain.model.inference import exact_match, load_for_inference, resolve_source
+    from clustertrain.inference import exact_match, load_for_inference, resolve_source
 
     source = resolve_source(args.source)
     records = read_task(args.data)[: args.limit]

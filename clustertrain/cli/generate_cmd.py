@@ -35,7 +35,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
     quiet_transformers()
 
-    from clustertrain.model.inference import complete, load_for_inference
+    from clustertrain.inference import complete, load_for_inference
 
     model, tokenizer = load_for_inference(args.source)
     [text] = complete(model, tokenizer, [args.prompt], max_new_tokens=args.max_tokens,

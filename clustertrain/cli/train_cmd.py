@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from clustertrain.distributed.spawn import EarlySignals
+    from clustertrain.distributed.stop import EarlySignals
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,7 +23,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clustertrain.distributed.spawn import listen_early
+    from clustertrain.distributed.stop import listen_early
 
     # Before the slow imports (torch takes seconds): a SIGTERM now must not kill the run silently (exit 143),
     # and a launcher's held-back signals arrive here; the trainer honours them at step 1.
@@ -46,8 +46,8 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
         argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []), early)
 
-    from clustertrain.checkpoint.manager import Preempted
-    from clustertrain.cli import is_rank0
+    from clustertrain.distributed.stop import Preempted
+    from clustertrain.distributed.env import is_rank0
     from clustertrain.train.trainer import Trainer
 
     try:

@@ -8,7 +8,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from clustertrain.errors import LaunchError
+from clustertrain.errors import LaunchError, UserError
 
 DEFAULT_ADDR = "127.0.0.1"
 DEFAULT_PORT = 29500
@@ -28,6 +28,18 @@ class RankInfo:
     master_addr: str
     master_port: int
     launcher: str  # one of "torchrun", "openmpi", "mpich", "slurm", "single"
+
+
+def is_rank0() -> bool:
+    """Whether this process is rank 0 (the one that talks), with or without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank() == 0
+    try:
+        return detect_launcher().rank == 0
+    except UserError:
+        return True
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> RankInfo:

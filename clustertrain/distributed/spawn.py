@@ -3,8 +3,8 @@
 Ranks die with their launcher: each starts with a parent-death signal (SIGKILL, see `_rank_setup`) in a
 session (so a process group) of its own, as torchrun's do: the launcher can take a rank down with its
 DataLoader workers, and a terminal's Ctrl-C reaches only the launcher, which forwards it. Stop signals
-are held back in a new rank until it listens for them (`listen_early`), so none is lost or fatal while
-Python and torch start.
+are held back in a new rank until it listens for them (clustertrain.distributed.stop.listen_early), so none
+is lost or fatal while Python and torch start.
 """
 
 from __future__ import annotations
@@ -17,40 +17,11 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # save and stop; a second SIGINT: stop now
+from clustertrain.distributed.stop import STOP_SIGNALS, EarlySignals
+
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-class EarlySignals:
-    """The stop signals that arrive before the trainer listens (imports, config, model build).
-
-    The trainer's StopRequests takes them over, so a warning during start-up is honoured at step 1. A
-    second Ctrl-C exits at once (KeyboardInterrupt), as Python's default would at the first.
-    """
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-
-    def __call__(self, signum: int, _frame: Any) -> None:
-        if signum == signal.SIGINT and self.received:
-            raise KeyboardInterrupt
-        self.received.append(signum)
-
-
-@contextlib.contextmanager
-def listen_early() -> Iterator[EarlySignals]:
-    """Record stop signals from now on, then let through those a launcher held back while this process started."""
-    early = EarlySignals()
-    previous = {s: signal.signal(s, early) for s in STOP_SIGNALS}
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
-    try:
-        yield early
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def free_port() -> int:

@@ -23,7 +23,8 @@ from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import LaunchError
 from clustertrain.launch.slurm import render_script
-from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
+from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.train.status import read_status
 
 CHAIN = Path("slurm") / "jobs.jsonl"
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}

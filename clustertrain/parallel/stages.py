@@ -53,6 +53,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from clustertrain.errors import ConfigError
+from clustertrain.lora import is_lora
 
 Plan = dict[str, tuple[list[str], list[str]]]
 
@@ -125,8 +126,6 @@ def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> Pi
     Raises:
         ConfigError: the architecture is not supported, or there are more stages than layers.
     """
-    from clustertrain.lora import is_lora
-
     if is_lora(model):
         return LoraStage(build_stage(model.get_base_model(), stage_index, num_stages))
     if not isinstance(model, PreTrainedModel):

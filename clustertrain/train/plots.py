@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from clustertrain.errors import DataError, UserError
 from clustertrain.train.metrics import read_jsonl
-
-if TYPE_CHECKING:
-    from clustertrain.launch.scaling import ScalingRow
 
 
 def pyplot() -> Any:
@@ -69,8 +66,11 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
     return _save(fig, plt, out)
 
 
-def plot_scaling(rows: Sequence[ScalingRow], out: Path) -> Path:
-    """Tokens/s per node count against perfect scaling from the smallest count, and the scaling efficiency."""
+def plot_scaling(rows: Sequence[Any], out: Path) -> Path:
+    """Tokens/s per node count against perfect scaling from the smallest count, and the scaling efficiency.
+
+    `rows` have `nodes`, `tokens_per_s` and `efficiency` (clustertrain.launch.scaling.ScalingRow, a layer above).
+    """
     plt = pyplot()
     measured = [row for row in rows if row.tokens_per_s]
     nodes = [row.nodes for row in measured]

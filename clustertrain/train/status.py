@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 STATUS_FILE = "status.json"
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": the run saved and stopped on purpose; requeue it
 
 
 def write_status(run_dir: Path, state: str, **fields: Any) -> None:

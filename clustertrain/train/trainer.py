@@ -20,7 +20,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.base import base_reference
-from clustertrain.checkpoint.manager import CheckpointManager, Preempted, StopRequests
+from clustertrain.checkpoint.manager import CheckpointManager
 from clustertrain.config.checks import apply_layout, resolve_layout, total_steps
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
@@ -34,6 +34,7 @@ from clustertrain.distributed.env import RankInfo, detect_launcher
 from clustertrain.distributed.failures import PeerFailed, RankFailure, first_failure, let_peers_report
 from clustertrain.distributed.init import close_distributed, init_distributed, rank0_first
 from clustertrain.distributed.mesh import build_mesh
+from clustertrain.distributed.stop import Preempted, StopRequests
 from clustertrain.errors import CheckpointError
 from clustertrain.model.attention import resolve_attention
 from clustertrain.model.estimate import (check_memory_floor, count_params, model_flops_per_token, peak_flops,

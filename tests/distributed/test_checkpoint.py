@@ -16,7 +16,8 @@ from helpers import alive, children, final_weights, grad_norms, losses, start, t
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 from clustertrain.train.metrics import read_jsonl
-from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
+from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
 

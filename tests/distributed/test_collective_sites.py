@@ -83,7 +83,7 @@ def test_every_collective_site_of_a_sharded_run_uses_the_group_device(tmp_path):
     assert {c["module"] for c in calls} == {"distributed/collectives.py"}
     sites = {c["site"] for c in calls}
     for site in ["trainer.build", "step.count_tokens", "step.global_mean_loss", "trainer._data_metrics",
-                 "trainer._evaluate", "manager.agreed", "loader.state_dict", "audit.record"]:
+                 "trainer._evaluate", "stop.agreed", "loader.state_dict", "audit.record"]:
         assert site in sites, (site, sites)
 
 

@@ -18,7 +18,8 @@ import pytest
 from helpers import losses, start, train, wait_for_step
 
 from clustertrain.train.lock import LOCK_FILE, STALE_AFTER_S, Holder, RunDirLocked, RunLock, lock_run_dir, read_holder
-from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
+from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
 

@@ -11,7 +11,7 @@ from clustertrain.config.schema import DataConfig, SourceConfig
 from clustertrain.data.synthetic import KINDS, is_correct, make_records, read_task, write_task
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.errors import DataError
-from clustertrain.model.inference import complete, encode_prompt, exact_match, load_for_inference
+from clustertrain.inference import complete, encode_prompt, exact_match, load_for_inference
 
 
 def test_same_seed_writes_the_same_files_and_another_seed_others(tmp_path):

@@ -193,7 +193,7 @@ def test_a_truncated_safetensors_file_is_one_line_wherever_it_is_read(exported, 
     weights = snapshot / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
-    from clustertrain.model.inference import load_for_inference
+    from clustertrain.inference import load_for_inference
     from clustertrain.model.weights import load_pretrained
 
     model = AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(snapshot))

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clustertrain.checkpoint.manager import CheckpointManager, StopRequests
+from clustertrain.checkpoint.manager import CheckpointManager
 from clustertrain.config.schema import CheckpointConfig, walltime_seconds
-from clustertrain.distributed.spawn import listen_early
+from clustertrain.distributed.stop import StopRequests, listen_early
 
 
 @pytest.fixture

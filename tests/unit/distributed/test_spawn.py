@@ -12,7 +12,7 @@ from helpers import alive
 
 from clustertrain.distributed.spawn import _libc, _rank_setup, _wait
 
-LISTEN = "from clustertrain.distributed.spawn import listen_early\nwith listen_early() as early: print(early.received)"
+LISTEN = "from clustertrain.distributed.stop import listen_early\nwith listen_early() as early: print(early.received)"
 
 
 def test_a_signal_to_a_rank_before_it_listens_waits_for_it():
