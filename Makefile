@@ -31,7 +31,7 @@ test-fast: install
 # with resume, LoRA and its export; then the exports load under transformers 4.57 (tests/compat/export_compat.py).
 OLDEST := .venv-oldest
 OLDEST_TORCH := 2.8.0
-SMOKE := 'tests/distributed/test_train.py::test_every_layout_ends_with_a_sample[single]' \
+SMOKE := 'tests/distributed/test_train.py::test_every_layout_ends_with_a_sample_of_its_own_data[single]' \
 	'tests/distributed/test_train.py::test_layout_matches_one_rank[zero3]' \
 	'tests/distributed/test_train.py::test_resume_matches_uninterrupted[zero3]' \
 	'tests/distributed/test_finetune.py::test_lora_learns_and_leaves_the_base_bit_identical[zero3]' \

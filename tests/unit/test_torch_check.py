@@ -71,3 +71,14 @@ def test_the_pre_install_check_exits_2_on_an_old_torch(tmp_path):
 def test_the_ci_smoke_runs_on_the_oldest_supported_torch():
     oldest = re.search(r"^OLDEST_TORCH := (\d+)\.(\d+)\.", (ROOT / "Makefile").read_text(), re.M)
     assert tuple(map(int, oldest.groups())) == torch_check.MIN_TORCH
+
+
+def test_the_smoke_subset_names_tests_that_exist():
+    """A renamed test would leave `make test-oldest` collecting nothing of it."""
+    makefile = (ROOT / "Makefile").read_text()
+    smoke = re.search(r"^SMOKE := (.*?)\n(?=\S)", makefile, re.M | re.S).group(1)
+    ids = re.findall(r"(tests/[\w/]+\.py)::(\w+)", smoke)
+    assert len(ids) == 5
+    for path, name in ids:
+        assert re.search(rf"^def {name}\(", (ROOT / path).read_text(), re.M), f"{path}::{name}"
+
