@@ -188,6 +188,23 @@ def load_index(path: Path, kind: str, cache_dir: Path) -> tuple[int, np.ndarray]
     return count, marks
 
 
+def _indexed_records(path: Path, marks: list, kind: str, start: int, stop: int,
+                     header_rows: int = 0) -> Iterator[tuple[int, bytes, int, str]]:
+    """(index, raw bytes, byte offset, "file:line") of records `start` to `stop` - 1, read from the index mark
+    nearest before `start`; the first `header_rows` records (a CSV header) are not counted."""
+    first = start + header_rows
+    offset, line_no = (int(x) for x in marks[first // INDEX_EVERY])
+    index = first - first % INDEX_EVERY - header_rows
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for first_line, first_offset, raw in _records(f, offset, line_no, kind):
+            if index >= stop:
+                return
+            if index >= start:
+                yield index, raw, first_offset, f"{path}:{first_line}"
+            index += 1
+
+
 def _records(f, offset: int, line_no: int, kind: str) -> Iterator[tuple[int, int, bytes]]:
     """(first line number, byte offset, bytes) of each record from the current position, a record start: a
     non-blank line (`lines`), a run of non-blank lines (`blocks`), or a CSV row, whose quoted fields may hold
@@ -224,19 +241,10 @@ class LineRecords:
         self.count, self.marks = load_index(path, self.kind, cache_dir)
 
     def read(self, start: int, stop: int) -> Iterator[Row]:
-        offset, line_no = (int(x) for x in self.marks[start // INDEX_EVERY])
-        index = start - start % INDEX_EVERY
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            for first_line, first_offset, raw in _records(f, offset, line_no, self.kind):
-                if index >= stop:
-                    return
-                if index >= start:
-                    location = f"{self.path}:{first_line}"
-                    record = self._parse(raw, first_offset, location)
-                    if record is not None:
-                        yield index, record, location
-                index += 1
+        for index, raw, offset, location in _indexed_records(self.path, self.marks, self.kind, start, stop):
+            record = self._parse(raw, offset, location)
+            if record is not None:
+                yield index, record, location
 
     def _parse(self, raw: bytes, offset: int, location: str) -> dict | None:
         text = decode(raw, offset, location, self.bad)
@@ -270,24 +278,14 @@ class CsvRecords:
         return cls(path, header, count - 1, marks, bad)
 
     def read(self, start: int, stop: int) -> Iterator[Row]:
-        first = start + 1  # the index counts the header row
-        offset, line_no = (int(x) for x in self.marks[first // INDEX_EVERY])
-        index = first - first % INDEX_EVERY - 1
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            for first_line, first_offset, raw in _records(f, offset, line_no, "csv"):
-                if index >= stop:
-                    return
-                if index >= start:
-                    location = f"{self.path}:{first_line}"
-                    text = decode(raw, first_offset, location, self.bad)
-                    row = None if text is None else _csv_row(text, location, self.bad)
-                    if row is not None and len(row) != len(self.header):
-                        self.bad.report("bad CSV row", f"{location}: {len(row)} fields, but the header names "
-                                                       f"{len(self.header)} ({', '.join(self.header)})")
-                    elif row is not None:
-                        yield index, dict(zip(self.header, row)), location
-                index += 1
+        for index, raw, offset, location in _indexed_records(self.path, self.marks, "csv", start, stop, header_rows=1):
+            text = decode(raw, offset, location, self.bad)
+            row = None if text is None else _csv_row(text, location, self.bad)
+            if row is not None and len(row) != len(self.header):
+                self.bad.report("bad CSV row", f"{location}: {len(row)} fields, but the header names "
+                                               f"{len(self.header)} ({', '.join(self.header)})")
+            elif row is not None:
+                yield index, dict(zip(self.header, row)), location
 
 
 def _csv_row(text: str, location: str, bad: BadData) -> list[str] | None:

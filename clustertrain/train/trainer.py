@@ -127,7 +127,8 @@ class Trainer:
                                                     cfg.train.loss_chunk_tokens, cfg.parallel.compile,
                                                     fused=kernels.linear_cross_entropy)
         self._check_memory(meta)
-        if not self._resuming():  # a resume moves the loader elsewhere: its first batch is read then
+        self.resume_from = self._checkpoint_to_resume()
+        if self.resume_from is None:  # a resume moves the loader elsewhere: its first batch is read then
             self.loader.prefetch()  # bad data in it refuses the start before the model is built
         self.kernel_notes = [note for note in (kernels.note, loss_note) if note]  # said by rank 0 at start
         self.params = count_params(meta)
@@ -171,11 +172,13 @@ class Trainer:
                            + (", or use train.loss=chunked" if self.loss_kind == "full" else "")
                            + ", or use a smaller model or more ranks")
 
-    def _resuming(self) -> bool:
-        """Whether resume() will load a checkpoint (train.resume a path, or auto with one in the run directory)."""
+    def _checkpoint_to_resume(self) -> Path | None:
+        """The checkpoint resume() loads: train.resume's path, or under auto the run directory's newest complete
+        one (the run directory is locked: no other run adds one); None for a fresh start."""
         choice = self.config.train.resume
-        return choice not in ("none", "auto") or (choice == "auto"
-                                                   and ckpt.latest_checkpoint(self.run_dir / "checkpoints") is not None)
+        if choice == "none":
+            return None
+        return ckpt.latest_checkpoint(self.run_dir / "checkpoints") if choice == "auto" else Path(choice)
 
     # ---- resume ------------------------------------------------------------------------------
     def resume(self) -> Path | None:
@@ -198,7 +201,7 @@ class Trainer:
                     print(f"moved the previous run's files to {moved}", flush=True)
             dist.barrier()
             return None
-        path = ckpt.latest_checkpoint(root) if choice == "auto" else Path(choice)
+        path = self.resume_from
         if path is None:
             return None
         if not path.is_dir():
