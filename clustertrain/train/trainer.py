@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import math
 import resource
 from collections import Counter
@@ -52,6 +53,9 @@ from clustertrain.train.profile import StepProfiler
 from clustertrain.train.sample import data_prompt, sample_ids
 from clustertrain.train.status import write_status
 from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, train_step
+
+
+EPOCH_COUNT = "epoch_count.json"  # in the run directory: train.epochs' count of one pass, for later starts
 
 
 @dataclass
@@ -149,14 +153,24 @@ class Trainer:
         self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])
 
     def _resolve_epochs(self) -> int | None:
-        """train.epochs given: set train.steps to that many passes over the training data; the steps of one."""
+        """train.epochs given: set train.steps to that many passes over the training data; the steps of one.
+
+        Counting tokenizes the data once, so the count is kept in the run directory for the run's later starts
+        (a requeue), as long as the data, its streams and the tokenizer are the same."""
         train = self.config.train
         if train.epochs is None:
             return None
-        if self.rank0:
-            print(f"train.epochs = {train.epochs:g}: counting the sequences of one pass over the data", flush=True)
-        mine = self.plan.sequences_per_epoch(self.loader.stream_ids)
-        per_epoch = int(reduce_values([mine], op="min")[0])
+        key = [self.plan.fingerprint(), self.plan.num_streams, str(self.tokenizer.name_or_path), len(self.tokenizer)]
+        counted = self.run_dir / EPOCH_COUNT
+        per_epoch = _saved_count(counted, key)
+        if per_epoch is None:
+            if self.rank0:
+                print(f"train.epochs = {train.epochs:g}: counting the sequences of one pass over the data", flush=True)
+            mine = self.plan.sequences_per_epoch(self.loader.stream_ids)
+            per_epoch = int(reduce_values([mine], op="min")[0])
+            if self.rank0:
+                counted.with_suffix(".tmp").write_text(json.dumps({"key": key, "sequences": per_epoch}))
+                counted.with_suffix(".tmp").replace(counted)
         train.steps = max(1, math.floor(train.epochs * per_epoch))
         return per_epoch
 
@@ -557,6 +571,15 @@ class _Timer:
 
     def elapsed(self, step: int) -> tuple[float, int]:
         return time.perf_counter() - self.start, step - self.start_step
+
+
+def _saved_count(path: Path, key: list) -> int | None:
+    """The sequences of one epoch that an earlier start of the run counted under `key`, or None."""
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return saved.get("sequences") if isinstance(saved, dict) and saved.get("key") == key else None
 
 
 def memory_gb(device: torch.device) -> float:

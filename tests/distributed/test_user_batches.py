@@ -48,8 +48,9 @@ def test_an_epoch_resumed_mid_way_on_another_rank_count_repeats_nothing(tmp_path
               "data.audit=true", "data.vocab_size=300", "checkpoint.every=1")
     first = train(run_dir, *common, "train.stop_after_steps=2", nproc=2)
     steps = int(first.stdout.split(" epochs of ")[1].split(" steps")[0])
-    assert steps > 2
-    train(run_dir, *common)  # one rank now
+    assert steps > 2 and "counting the sequences of one pass" in first.stdout
+    second = train(run_dir, *common)  # one rank now; the first start's count is kept in the run directory
+    assert "counting" not in second.stdout and f" epochs of {steps} steps" in second.stdout
     samples = [tuple(s) for line in (run_dir / "samples.jsonl").read_text().splitlines()
                for s in json.loads(line)["samples"]]
     assert len(samples) == 8 * steps and len(set(samples)) == len(samples)
