@@ -45,20 +45,20 @@ class Snapshot:
     """Tensors of a Hugging Face snapshot, read one at a time (safetensors reads lazily, .bin is memory-mapped)."""
 
     def __init__(self, path: Path, prefix: str):
-        from clustertrain.model.weights import _keys, _weight_files
+        from clustertrain.model.weights import tensor_names, weight_files
 
         self.path, self.prefix = path, prefix
-        self.files = {key: file for file in _weight_files(path) for key in _keys(file)}
+        self.files = {key: file for file in weight_files(path) for key in tensor_names(file)}
 
     def read(self, name: str) -> torch.Tensor:
-        from clustertrain.model.weights import _read
+        from clustertrain.model.weights import read_tensor
 
         key = name
         if key not in self.files and self.prefix and key.startswith(self.prefix + "."):
             key = key[len(self.prefix) + 1:]  # base-model checkpoints (e.g. GPT-2's) leave out the prefix
         if key not in self.files:
             raise CheckpointError(f"{self.path}: no weight {name}; is it the base model the adapters were trained on?")
-        return _read(self.files[key], key, ())
+        return read_tensor(self.files[key], key, ())
 
 
 def plan_entries(model: nn.Module, metadata: Metadata, merge: bool) -> list[Entry]:

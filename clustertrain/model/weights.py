@@ -77,7 +77,7 @@ def load_pretrained(model: nn.Module, snapshot: Path) -> None:
 
     hf_model = model.get_base_model() if is_lora(model) else model
     prefix = hf_model.base_model_prefix
-    keys = {key: path for path in _weight_files(snapshot) for key in _keys(path)}
+    keys = {key: path for path in weight_files(snapshot) for key in tensor_names(path)}
     missing = []
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         key = hf_name(name)
@@ -91,7 +91,7 @@ def load_pretrained(model: nn.Module, snapshot: Path) -> None:
             continue
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         index = _local_index(tensor)
-        local.copy_(_read(keys[key], key, index))
+        local.copy_(read_tensor(keys[key], key, index))
     if getattr(hf_model.config, "tie_word_embeddings", False):  # the head is the embedding, tied below
         missing = [k for k in missing if k != "lm_head.weight"]
     if missing:
@@ -113,7 +113,8 @@ def _local_box(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(tensor.shape), (0,) * tensor.ndim
 
 
-def _weight_files(snapshot: Path) -> list[Path]:
+def weight_files(snapshot: Path) -> list[Path]:
+    """The snapshot's weight files: its safetensors (or .bin) shards by their index, or the single file."""
     for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
                                ("pytorch_model.bin.index.json", "pytorch_model.bin")):
         index = snapshot / index_name
@@ -124,7 +125,8 @@ def _weight_files(snapshot: Path) -> list[Path]:
     raise ConfigError(f"{snapshot}: no model.safetensors or pytorch_model.bin (nor their sharded index)")
 
 
-def _keys(path: Path) -> list[str]:
+def tensor_names(path: Path) -> list[str]:
+    """The names of the tensors in one weight file, read from its header (a .bin is loaded weights-only)."""
     if path.suffix == ".safetensors":
         try:
             with safe_open(path, framework="pt") as f:
@@ -134,7 +136,8 @@ def _keys(path: Path) -> list[str]:
     return list(_bin(path))
 
 
-def _read(path: Path, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+def read_tensor(path: Path, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+    """The `index` slice of tensor `key` of one weight file (safetensors reads only that slice)."""
     # Opened per tensor on purpose: an open file keeps every page read so far mapped into the rank,
     # so holding it for the whole load would cost a second copy of the model in memory.
     if path.suffix == ".safetensors":
