@@ -15,7 +15,8 @@ import torch
 from helpers import alive, children, final_weights, start, train, wait_for_saves, wait_for_step
 
 from clustertrain.train.metrics import read_jsonl
-from clustertrain.train.status import REQUEUE_EXIT_CODE, read_status
+from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.train.status import read_status
 from clustertrain.train.step import DIVERGED_EXIT_CODE
 
 pytestmark = pytest.mark.dist
