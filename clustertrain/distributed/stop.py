@@ -5,6 +5,8 @@ time limit); a user presses Ctrl-C (SIGINT). The CLI listens from the first inst
 (`listen_early`), the trainer takes over (`StopRequests`); a warning may reach only some ranks, so ranks
 agree at every step boundary (one tiny all-reduce on a CPU group), all save the same step, and the run
 ends with `Preempted`: exit REQUEUE_EXIT_CODE, status `preempted`.
+
+Only the standard library is imported here at first: the CLI listens before torch loads (a second or more).
 """
 
 from __future__ import annotations
@@ -15,10 +17,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import torch.distributed as dist
-
-from clustertrain.distributed.collectives import reduce_values
 
 REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": the run saved and stopped on purpose; requeue it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # save and stop; a second SIGINT: stop now
@@ -95,6 +93,10 @@ class StopRequests:
         """The stop reason if any rank has one (every rank gets the same answer), else None."""
         if self.reason is None and self.deadline is not None and time.monotonic() > self.deadline:
             self.reason = "walltime"
+        import torch.distributed as dist
+
+        from clustertrain.distributed.collectives import reduce_values
+
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.reason
         if self._group is None:  # gloo keeps this off the GPU stream: no device sync per step

@@ -23,6 +23,14 @@ def test_a_signal_to_a_rank_before_it_listens_waits_for_it():
     assert rank.returncode == 0 and stdout.strip() == f"[{int(signal.SIGTERM)}]"
 
 
+def test_the_cli_listens_for_stop_signals_before_torch_loads():
+    """Importing torch takes a second or more; a Ctrl-C or SIGTERM in it must already find the early listener."""
+    code = ("import sys; from clustertrain.cli import train_cmd; from clustertrain.distributed.stop import listen_early; "
+            "from clustertrain.distributed import spawn; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
 def test_a_rank_dies_with_its_launcher():
     # The launcher starts a rank that would sleep for a minute, prints its pid, then is killed hard.
     launcher = subprocess.Popen([sys.executable, "-c", (
