@@ -2,7 +2,8 @@
 
 The trainer runs its real first two steps in this process (one rank, a process group of one). The reference is
 a LlamaForCausalLM built here from TINY's numbers, holding the trainer's initial weights, which takes the same
-batches through a hand-written cross entropy, global-norm clip, warmup learning rate and torch's AdamW. Two
+batches in the same two micro batches (so the gradients' rounding is alike: Adam magnifies that of near-zero
+gradients) through a hand-written cross entropy, global-norm clip, warmup learning rate and torch's AdamW. Two
 steps, because AdamW's first update, g / (|g| + eps), hardly depends on the gradient's scale: a wrong clip
 shows only once the moments mix steps clipped by different factors.
 """
@@ -22,6 +23,7 @@ from clustertrain.train.metrics import read_jsonl
 from clustertrain.train.trainer import Trainer
 
 LR, WARMUP, CLIP, WEIGHT_DECAY, BETAS, EPS = 3e-3, 2, 0.5, 0.1, (0.9, 0.95), 1e-8
+MICRO = 4  # TINY's train.micro_batch_size: two micro batches of the 8 sequences per step
 
 
 def reference_steps(model: LlamaForCausalLM, batches: list[dict[str, torch.Tensor]]) -> list[tuple[float, float]]:
@@ -33,12 +35,16 @@ def reference_steps(model: LlamaForCausalLM, batches: list[dict[str, torch.Tenso
     ], lr=LR, betas=BETAS, eps=EPS, foreach=False)
     measured = []
     for step, batch in enumerate(batches, start=1):
-        logits = model(input_ids=batch["input_ids"]).logits.float()
-        labels = batch["labels"]
-        counted = labels != IGNORE_INDEX
-        picked = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        loss = -(picked * counted).sum() / counted.sum()
-        loss.backward()
+        total = (batch["labels"] != IGNORE_INDEX).sum()
+        loss = 0.0
+        for half in (slice(0, MICRO), slice(MICRO, None)):  # micro batches, as train.micro_batch_size asks
+            logits = model(input_ids=batch["input_ids"][half]).logits.float()
+            labels = batch["labels"][half]
+            counted = labels != IGNORE_INDEX
+            picked = torch.log_softmax(logits, dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            part = -(picked * counted).sum() / total
+            part.backward()
+            loss += part.item()
         norm = math.sqrt(sum(p.grad.double().square().sum().item() for p in params))
         scale = min(1.0, CLIP / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
         for p in params:
@@ -47,7 +53,7 @@ def reference_steps(model: LlamaForCausalLM, batches: list[dict[str, torch.Tenso
             group["lr"] = LR * min(1.0, step / WARMUP)  # linear warmup over WARMUP steps
         optimizer.step()
         optimizer.zero_grad()
-        measured.append((loss.item(), norm))
+        measured.append((loss, norm))
     return measured
 
 
