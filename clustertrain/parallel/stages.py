@@ -22,6 +22,10 @@ Inputs and outputs, per microbatch of b rows of t tokens:
   (`clustertrain.train.loss.LossHead`, which marks itself with `takes_targets`) then returns the summed loss
   as a 1-element tensor instead of logits: no full logits exist. Other stages ignore labels.
 
+The forward of each model family (embeddings, how the layers are called and masked, final norm) comes from its
+file in `clustertrain.model.families`, which also says where its pieces are when transformers ships no
+`base_model_pp_plan`.
+
 Parameters keep the full model's names (`model.layers.3.self_attn.q_proj.weight`): the layer list
 becomes an `nn.ModuleDict` keyed by the original indices, so a checkpoint written under any pipeline
 layout loads under any other, and under none, by name. Modules without parameters (rotary embeddings,
@@ -50,47 +54,40 @@ import itertools
 import torch
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from clustertrain.errors import ConfigError
 from clustertrain.lora import is_lora
-
-Plan = dict[str, tuple[list[str], list[str]]]
-
-# Where GPT-2 and OPT keep their pieces, in the form of transformers' `base_model_pp_plan` (a module path
-# under the base model: its input and output names), which transformers ships for neither. The entries
-# before the layer list belong to the first stage, those after it to the last.
-OWN_PLANS: dict[str, Plan] = {
-    "gpt2": {
-        "wte": (["input_ids"], ["inputs_embeds"]),
-        "wpe": (["position_ids"], ["position_embeds"]),
-        "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "ln_f": (["hidden_states"], ["hidden_states"]),
-    },
-    "opt": {
-        "decoder.embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "decoder.embed_positions": (["attention_mask", "position_ids"], ["position_embeds"]),
-        "decoder.project_in": (["inputs_embeds"], ["inputs_embeds"]),  # None unless word_embed_proj_dim differs
-        "decoder.layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "decoder.final_layer_norm": (["hidden_states"], ["hidden_states"]),  # None without do_layer_norm_before
-        "decoder.project_out": (["hidden_states"], ["hidden_states"]),
-    },
-}
+from clustertrain.model.families import Family, Plan, families, family_of
 
 
 def pipeline_plan(config: PretrainedConfig) -> Plan:
     """Where the base model keeps its embeddings, decoder layers and final norm: transformers' shipped
-    `base_model_pp_plan`, else ours (GPT-2, OPT).
+    `base_model_pp_plan`, else its family's (GPT-2, OPT).
 
     Raises:
         ConfigError: the architecture has neither.
     """
     shipped = getattr(config, "base_model_pp_plan", None)
-    plan = shipped if isinstance(shipped, dict) and shipped else OWN_PLANS.get(config.model_type)
-    if plan is None:
+    family = family_of(config.model_type)
+    plan = shipped if isinstance(shipped, dict) and shipped else family and family.pp_plan
+    if not plan:
         raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
                           "(no base_model_pp_plan in transformers, none in clustertrain)")
     return plan
+
+
+def stage_family(config: PretrainedConfig) -> Family:
+    """The family whose stage forward runs `config`'s model, once its pieces can be found (`pipeline_plan`).
+
+    Raises:
+        ConfigError: pipeline parallel cannot run the architecture.
+    """
+    pipeline_plan(config)
+    family = family_of(config.model_type)
+    if family is None:
+        raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
+                          f"(clustertrain mirrors the forward of {', '.join(sorted(families()))} only)")
+    return family
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -130,15 +127,10 @@ def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> Pi
         return LoraStage(build_stage(model.get_base_model(), stage_index, num_stages))
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"build_stage needs a Hugging Face model, got {type(model).__name__}")
-    config = model.config
-    stage_class = _STAGE_CLASSES.get(config.model_type)
-    plan = pipeline_plan(config)
-    if stage_class is None:
-        raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
-                          f"(clustertrain mirrors the forward of {', '.join(sorted(_STAGE_CLASSES))} only)")
+    family = stage_family(model.config)
     if not 0 <= stage_index < num_stages:
         raise ValueError(f"stage_index {stage_index} is not in [0, {num_stages})")
-    layout = _Layout.of(model, plan)
+    layout = _Layout.of(model, pipeline_plan(model.config))
     split = split_layers(len(layout.layer_list(model)), num_stages)
     layers = split[stage_index]
     first, last = stage_index == 0, stage_index == num_stages - 1
@@ -156,14 +148,15 @@ def build_stage(model: PreTrainedModel, stage_index: int, num_stages: int) -> Pi
 
     tied = [(head, embedding) for head, embedding in _tied_pairs(model)
             if layout.owner(head, split) != layout.owner(embedding, split)]
-    stage = stage_class(kept, layout, stage_index, num_stages, layers, tied)
+    stage = PipelineStageModule(kept, family, layout, stage_index, num_stages, layers, tied)
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     assert {n for n, _ in stage.named_parameters(remove_duplicate=False)} <= names, "a stage renamed a parameter"
     return stage
 
 
 class PipelineStageModule(nn.Module):
-    """One pipeline stage: the full model's modules that this stage keeps, under their original names.
+    """One pipeline stage: the full model's modules that this stage keeps, under their original names, run by
+    its family's stage forward (`clustertrain.model.families`).
 
     Attributes:
         stage_index, num_stages: this stage's place in the pipeline.
@@ -171,14 +164,15 @@ class PipelineStageModule(nn.Module):
         tied_names: (head name, embedding name) pairs of one weight shared in the full model that live on
             different stages here; the first stage holds the embedding, the last the head.
         config: the model's HF config.
+        family: the model family whose `embed`, `decode` and `final` mirror the base model's forward.
     """
 
-    def __init__(self, kept: PreTrainedModel, layout: _Layout, stage_index: int, num_stages: int,
+    def __init__(self, kept: PreTrainedModel, family: Family, layout: _Layout, stage_index: int, num_stages: int,
                  layer_indices: range, tied_names: list[tuple[str, str]]):
         super().__init__()
         for name, child in kept.named_children():
             self.add_module(name, child)
-        self.config = kept.config
+        self.config, self.family = kept.config, family
         self.stage_index, self.num_stages = stage_index, num_stages
         self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
         self.layer_indices = layer_indices
@@ -207,29 +201,20 @@ class PipelineStageModule(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(length, device=x.device)
         position_ids = position_ids.expand(batch, length).contiguous()  # sent on, so one row per sample
-        hidden = self.embed(x, position_ids) if self.is_first else x
-        hidden = self.decode(hidden, position_ids)
+        hidden = self.family.embed(self, x, position_ids) if self.is_first else x
+        hidden = self.family.decode(self, hidden, position_ids)
         if not self.is_last:
             return hidden, position_ids
-        return self.head(hidden, labels)
+        return self._lm_head(self.family.final(self, hidden), labels)
 
     def _init_weights(self, module: nn.Module) -> None:
         """The model's own initialization, so `clustertrain.model.weights.init_weights` can materialize a stage."""
         self.base._init_weights(module)
 
-    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def decode(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def head(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        raise NotImplementedError
-
     def _lm_head(self, hidden: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         """The head's logits, or its summed loss against `labels` when it computes one."""
         if labels is None or not getattr(self.lm_head, "takes_targets", False):
-            return self.lm_head(hidden)
+            return self.lm_head(hidden).contiguous()  # as OPTForCausalLM's; a no-op for the others
         out = self.lm_head(hidden, targets=labels)
         # one element, not a scalar: the schedule concatenates the microbatches' outputs
         return out.reshape(1) if out.dim() == 0 else out
@@ -262,103 +247,6 @@ class LoraStage(nn.Module):
 
     def _init_weights(self, module: nn.Module) -> None:
         self.base_model.model._init_weights(module)
-
-
-# The forwards below mirror transformers 5.x `LlamaModel` (and its kin), `GPT2Model` and `OPTDecoder`,
-# with attention_mask=None, past_key_values=None and use_cache=False, as clustertrain.train.step calls them.
-
-
-class _RopeDecoderStage(PipelineStageModule):
-    """Llama and the models whose forward is Llama's: rotary embeddings, per-layer causal or sliding masks."""
-
-    def embed(self, input_ids, position_ids):
-        return self.base.embed_tokens(input_ids)
-
-    def decode(self, hidden, position_ids):
-        kinds = {index: _MASK_KIND[self.config.model_type](self.config, int(index)) for index in self.layers}
-        masks = {kind: _MASK_FUNCTIONS[kind](config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                             past_key_values=None, position_ids=position_ids)
-                 for kind in set(kinds.values())}
-        position_embeddings = self.base.rotary_emb(hidden, position_ids=position_ids)
-        for index, layer in self.layers.items():
-            hidden = layer(hidden, attention_mask=masks[kinds[index]], position_embeddings=position_embeddings,
-                           position_ids=position_ids, past_key_values=None, use_cache=False)
-        return hidden
-
-    def head(self, hidden, labels=None):
-        return self._lm_head(self.base.norm(hidden), labels)
-
-
-class _GPT2Stage(PipelineStageModule):
-    def embed(self, input_ids, position_ids):
-        return self.base.drop(self.base.wte(input_ids) + self.base.wpe(position_ids))
-
-    def decode(self, hidden, position_ids):
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None,
-                                  past_key_values=None, position_ids=position_ids)
-        for block in self.layers.values():
-            hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                           position_ids=position_ids)
-        return hidden
-
-    def head(self, hidden, labels=None):
-        return self._lm_head(self.base.ln_f(hidden), labels)
-
-
-class _OPTStage(PipelineStageModule):
-    def embed(self, input_ids, position_ids):
-        decoder = self.base.decoder
-        embeds = decoder.embed_tokens(input_ids)
-        if decoder.project_in is not None:
-            embeds = decoder.project_in(embeds)
-        # the module adds OPT's offset of 2 itself; the mask argument is only read when positions are None
-        return embeds + decoder.embed_positions(None, 0, position_ids=position_ids)
-
-    def decode(self, hidden, position_ids):
-        # OPTDecoder builds its mask without position_ids: OPT attends across packed documents.
-        mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None)
-        layerdrop = self.base.decoder.layerdrop
-        for layer in self.layers.values():
-            if self.training and layerdrop > 0.0 and torch.rand([]) < layerdrop:
-                continue
-            hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None,
-                           use_cache=False)
-        return hidden
-
-    def head(self, hidden, labels=None):
-        decoder = self.base.decoder
-        if decoder.final_layer_norm is not None:
-            hidden = decoder.final_layer_norm(hidden)
-        if decoder.project_out is not None:
-            hidden = decoder.project_out(hidden)
-        return self._lm_head(hidden, labels).contiguous()
-
-
-_MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-
-
-def _full(config: PretrainedConfig, index: int) -> str:
-    return "full_attention"
-
-
-def _sliding_if_set(config: PretrainedConfig, index: int) -> str:
-    return "full_attention" if config.sliding_window is None else "sliding_attention"
-
-
-def _by_layer_type(config: PretrainedConfig, index: int) -> str:
-    return config.layer_types[index]
-
-
-# How each model's forward picks a layer's mask (see its modeling_<type>.py); a model type is supported
-# only once its forward has been read and found to be Llama's apart from this choice.
-_MASK_KIND = {
-    "llama": _full, "gemma": _full,
-    "mistral": _sliding_if_set, "phi3": _sliding_if_set,
-    "qwen2": _by_layer_type, "qwen3": _by_layer_type,
-}
-_STAGE_CLASSES: dict[str, type[PipelineStageModule]] = {
-    **dict.fromkeys(_MASK_KIND, _RopeDecoderStage), "gpt2": _GPT2Stage, "opt": _OPTStage,
-}
 
 
 class _Layout:

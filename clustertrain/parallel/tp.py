@@ -1,4 +1,5 @@
-"""Tensor parallelism from the model's own plan: transformers' `base_model_tp_plan`, or ours for OPT.
+"""Tensor parallelism from the model's own plan: transformers' `base_model_tp_plan`, or its family's
+(`clustertrain.model.families`, e.g. OPT).
 
 A plan maps module-name patterns (relative to the base model, `*` for a layer index) to styles. Column-wise
 linears split their outputs over the tp ranks, row-wise linears their inputs and sum the results, so a block's
@@ -17,8 +18,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from clustertrain.config.checks import ModelShape
 from clustertrain.config.schema import ModelConfig
 from clustertrain.errors import ConfigError
+from clustertrain.model.families import family_of
 from clustertrain.model.load import build_hf_config
-from clustertrain.parallel.stages import pipeline_plan
+from clustertrain.parallel.stages import stage_family
 
 STYLES: dict[str, ParallelStyle] = {
     "colwise": ColwiseParallel(),
@@ -27,25 +29,11 @@ STYLES: dict[str, ParallelStyle] = {
     "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
 }
 
-# OPT ships no plan; its projections are plain linears. Its attention reshapes with a head count it keeps as
-# an attribute, so that count must become the local one (Llama-style attention infers it from the shape).
-_OPT_ATTENTION = "decoder.layers.*.self_attn"
-OWN_PLANS: dict[str, dict[str, str]] = {
-    "opt": {
-        f"{_OPT_ATTENTION}.q_proj": "colwise",
-        f"{_OPT_ATTENTION}.k_proj": "colwise",
-        f"{_OPT_ATTENTION}.v_proj": "colwise",
-        f"{_OPT_ATTENTION}.out_proj": "rowwise",
-        "decoder.layers.*.fc1": "colwise",
-        "decoder.layers.*.fc2": "rowwise",
-    },
-}
-LOCAL_HEAD_COUNTS: dict[str, dict[str, str]] = {"opt": {_OPT_ATTENTION: "num_heads"}}
-
 
 def tp_plan(config) -> dict[str, str]:
     """The model's tensor-parallel plan, or a one-line error for an architecture we cannot split."""
-    plan = getattr(config, "base_model_tp_plan", None) or OWN_PLANS.get(config.model_type)
+    family = family_of(config.model_type)
+    plan = getattr(config, "base_model_tp_plan", None) or (family and family.tp_plan)
     if not plan:
         raise ConfigError(f"parallel.tp = {config.model_type!r} has no tensor-parallel plan (its layers are not "
                           "plain linears we can split); use parallel.tp: 1")
@@ -71,7 +59,7 @@ def model_shape(model: ModelConfig, vocab_size: int) -> ModelShape:
 
     heads = getattr(config, "num_attention_heads", None)
     return ModelShape(config.model_type, heads, getattr(config, "num_key_value_heads", None) or heads,
-                      getattr(config, "num_hidden_layers", None), problem(tp_plan), problem(pipeline_plan))
+                      getattr(config, "num_hidden_layers", None), problem(tp_plan), problem(stage_family))
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -88,7 +76,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             raise ConfigError(f"parallel.tp: no module of {config.model_type!r} matches its plan's {pattern!r}")
         for module in matched:
             _parallelize(module, style, tp_mesh)
-    for pattern, attribute in LOCAL_HEAD_COUNTS.get(config.model_type, {}).items():
+    family = family_of(config.model_type)
+    for pattern, attribute in (family.local_head_counts if family else {}).items():
         for name, module in base.named_modules():
             if _matches(pattern, name):
                 setattr(module, attribute, getattr(module, attribute) // tp)

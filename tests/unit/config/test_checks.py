@@ -92,7 +92,12 @@ def test_under_pp_grad_accum_is_the_microbatch_count():
      "parallel.tp = 'gpt2' has no tensor-parallel plan (its layers are not plain linears we can split)"),
     (["parallel.pp=2", "model.arch=bloom", "model.config={hidden_size: 64, n_layer: 2, n_head: 4}"],
      "model.arch = 'bloom': pipeline parallel is not supported for it"),
-], ids=["microbatches", "interleaved-rounds", "stages-above-layers", "tp-without-a-plan", "pp-without-a-plan"])
+    # transformers ships gemma2's pp plan, but no family file mirrors its forward (logit softcapping)
+    (["parallel.pp=2", "model.arch=gemma2", "model.config={hidden_size: 64, intermediate_size: 128, "
+      "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16}"],
+     "model.arch = 'gemma2': pipeline parallel is not supported for it (clustertrain mirrors the forward of"),
+], ids=["microbatches", "interleaved-rounds", "stages-above-layers", "tp-without-a-plan", "pp-without-a-plan",
+        "pp-without-a-family"])
 def test_layouts_a_model_cannot_take_are_one_line_before_any_rank_starts(capsys, overrides, message):
     """What used to need two real ranks to find (tests/distributed/test_pipeline.py, test_parallel.py)."""
     assert main(check(*overrides)) == 2

@@ -22,6 +22,9 @@ ARCHS = {
     "qwen3": {**ROPE, "head_dim": 16},
     "phi3": ROPE,
     "gemma": {**ROPE, "head_dim": 16},
+    # multipliers away from 1, so a stage that skipped one would give other logits
+    "granite": {**ROPE, "embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.2},
     "gpt2": dict(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=32, bos_token_id=0, eos_token_id=0),
     # word_embed_proj_dim != hidden_size adds project_in / project_out
     "opt": dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4,
@@ -188,11 +191,11 @@ def test_unsupported_architectures_are_one_line_config_errors():
                                                                   n_head=4))
     message = one_line_error(lambda: build_stage(bloom, 0, 2))
     assert "'bloom'" in message and "pipeline parallel is not supported" in message
-    with torch.device("meta"):  # ships a plan, but its forward (embedding and logit multipliers) is not mirrored
-        granite = AutoModelForCausalLM.from_config(AutoConfig.for_model("granite", **ROPE))
-    assert "embed_tokens" in pipeline_plan(granite.config)
-    message = one_line_error(lambda: build_stage(granite, 0, 2))
-    assert "'granite'" in message and "pipeline parallel is not supported" in message
+    with torch.device("meta"):  # ships a plan, but its forward (logit softcapping) is in no family file
+        gemma2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **ROPE))
+    assert "embed_tokens" in pipeline_plan(gemma2.config)
+    message = one_line_error(lambda: build_stage(gemma2, 0, 2))
+    assert "'gemma2'" in message and "pipeline parallel is not supported" in message
 
 
 def test_lora_stages_keep_peft_names_and_frozen_base():
