@@ -1,8 +1,10 @@
-"""Load a trained model for generation on one CPU process, and complete prompts in batches.
+"""Load a trained model for generation in one process, on a GPU or the CPU, and complete prompts in batches.
 
     model, tokenizer = load_for_inference("runs/tiny-llama")          # newest checkpoint of a run
     model, tokenizer = load_for_inference("exports/tiny-llama")        # `clustertrain export` output
     model, tokenizer = load_for_inference("exports/adapter")           # a LoRA adapter on its base model
+    device = inference_device("auto"); model, tokenizer = load_for_inference(source, device,
+                                                                              inference_dtype("auto", device))
     complete(model, tokenizer, ["reverse: a b c ="], max_new_tokens=8) # greedy: [" c b a"]
 """
 
@@ -15,7 +17,10 @@ from typing import TYPE_CHECKING, Any
 from clustertrain.errors import CheckpointError, UserError
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 # torch and transformers are imported where used, so that a wrong path fails in a blink, not after imports.
 
@@ -37,31 +42,71 @@ def resolve_source(source: str | Path) -> Path:
     return resolve_checkpoint(source)
 
 
-def load_for_inference(source: str | Path) -> tuple[PreTrainedModel, Any]:
-    """The model (fp32, eval mode) and tokenizer of a checkpoint folder, a run directory, an HF model directory,
-    or a LoRA adapter directory (`adapter_config.json`, loaded on its `base_model_name_or_path`).
+def inference_device(name: str) -> torch.device:
+    """`--device`: auto (the first GPU when torch sees one; ROCm builds report as cuda), cpu, cuda or cuda:N.
+
+    Raises:
+        UserError: a GPU is asked for and torch sees none, or not that many.
+    """
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name}: not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise UserError(f"--device {name}: use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {name}: this torch build sees no GPU; use --device cpu (or auto)")
+    if (device.index or 0) >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: torch sees {torch.cuda.device_count()} GPU(s), numbered from 0")
+    return device
+
+
+def inference_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype`: bf16, fp16 or fp32; auto is bf16 on a GPU (half the memory of fp32) and fp32 on the CPU."""
+    import torch
+
+    if name == "auto":
+        name = "bf16" if device.type == "cuda" else "fp32"
+    return getattr(torch, DTYPES[name])
+
+
+def load_for_inference(source: str | Path, device: torch.device | str = "cpu",
+                       dtype: torch.dtype | None = None) -> tuple[PreTrainedModel, Any]:
+    """The model (in eval mode, on `device`, in `dtype`, fp32 by default) and tokenizer of a checkpoint folder, a
+    run directory, an HF model directory, or a LoRA adapter directory (`adapter_config.json`, loaded on its
+    `base_model_name_or_path`).
+
+    An HF directory is read in `dtype`; a checkpoint is assembled in fp32 on the CPU, then cast and moved.
 
     Raises:
         UserError: the source does not exist, cannot be loaded, or has no tokenizer.
     """
+    import torch
+
+    dtype = dtype or torch.float32
     path = resolve_source(source)
     if _is_hf_dir(path):
-        model, tokenizer = _load_hf_dir(path)
+        model, tokenizer = _load_hf_dir(path, dtype)
     else:
         from clustertrain.checkpoint.export import load_checkpoint_model
 
         model, tokenizer, _ = load_checkpoint_model(path)
     if tokenizer is None:
         raise CheckpointError(f"{path} has no tokenizer, so prompts cannot be encoded")
-    return model.eval(), tokenizer
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def _is_hf_dir(path: Path) -> bool:
     return (path / "config.json").is_file() or (path / "adapter_config.json").is_file()
 
 
-def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
-    import torch
+def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -76,9 +121,9 @@ def _load_hf_dir(path: Path) -> tuple[PreTrainedModel, Any]:
         if adapter:
             from peft import AutoPeftModelForCausalLM
 
-            model = AutoPeftModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            model = AutoPeftModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     except pickle.UnpicklingError as e:  # transformers loads .bin weights with weights_only=True
         raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
     except (OSError, ValueError, KeyError, SafetensorError) as e:
@@ -128,13 +173,14 @@ def complete(model: PreTrainedModel, tokenizer, prompts: list[str], *, max_new_t
     else:
         options = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     texts: list[str] = []
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+    gpus = [model.device.index or 0] if model.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=gpus):  # the caller's random state is left as it was
         torch.manual_seed(seed)
         for start in range(0, len(prompts), batch_size):
             encoded = [encode_prompt(tokenizer, p) or [start_id] for p in prompts[start : start + batch_size]]
             width = max(len(ids) for ids in encoded)
-            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded])
-            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], device=model.device)
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], device=model.device)
             out = model.generate(
                 input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, pad_token_id=pad,
                 eos_token_id=eos, **options,

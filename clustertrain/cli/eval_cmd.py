@@ -16,6 +16,7 @@ import json
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from clustertrain.cli.generate_cmd import add_model_options
     from clustertrain.data.synthetic import KINDS
 
     parser = commands.add_parser(
@@ -30,6 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="prompts per forward pass (default 64)")
     parser.add_argument("--show", type=int, default=5, help="examples to print (default 5; --json prints all)")
     parser.add_argument("--json", action="store_true", help="print the result and every example as JSON")
+    add_model_options(parser)
     task = parser.add_argument_group("synthetic task (instead of scoring)")
     task.add_argument("--make-task", metavar="OUT_DIR", help="write OUT_DIR/train.jsonl and OUT_DIR/test.jsonl")
     task.add_argument("--kind", choices=sorted(KINDS), default="reverse", help="the task (default reverse)")
@@ -55,14 +57,14 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.show < 0:
         raise UserError(f"--show {args.show}: must be 0 or more")
 
-    from clustertrain.cli.generate_cmd import quiet_transformers
+    from clustertrain.cli.generate_cmd import load_model, quiet_transformers
     from clustertrain.data.synthetic import read_task
-    from clustertrain.inference import exact_match, load_for_inference, resolve_source
+    from clustertrain.inference import exact_match, resolve_source
 
     source = resolve_source(args.source)
     records = read_task(args.data)[: args.limit]
     quiet_transformers()
-    model, tokenizer = load_for_inference(source)
+    model, tokenizer = load_model(args, source)
     result = exact_match(model, tokenizer, records, max_new_tokens=args.max_tokens, batch_size=args.batch_size)
     result = {"source": str(source), "data": args.data, **result}
     if args.json:

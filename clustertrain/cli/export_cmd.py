@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+from clustertrain.inference import DTYPES
+
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -3,6 +3,7 @@
     clustertrain generate runs/tiny-llama --prompt "def "                       # newest checkpoint, sampled
     clustertrain generate runs/tiny-llama/checkpoints/step-0000300 --prompt "def " --temperature 0   # greedy
     clustertrain generate exports/tiny-llama --prompt "import " --max-tokens 100 --top-p 0.9 --seed 3
+    clustertrain generate exports/llama3-8b --prompt "Hello" --device cuda --dtype bf16   # the default on a GPU
 """
 
 from __future__ import annotations
@@ -21,7 +22,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature; 0: greedy (default 0.8)")
     parser.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold in (0, 1] (default 0.95)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling: the same seed, the same text")
+    add_model_options(parser)
     parser.set_defaults(run=run_generate)
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """--device and --dtype, shared by generate and eval."""
+    from clustertrain.inference import DTYPES
+
+    parser.add_argument("--device", default="auto",
+                        help="auto (a GPU when torch sees one, else the CPU), cpu, cuda or cuda:N (default auto)")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="weights and compute: auto is bf16 on a GPU, fp32 on the CPU (default auto)")
+
+
+def load_model(args: argparse.Namespace, source):
+    """The model and tokenizer of `source` on --device in --dtype."""
+    from clustertrain.inference import inference_device, inference_dtype, load_for_inference
+
+    device = inference_device(args.device)
+    return load_for_inference(source, device, inference_dtype(args.dtype, device))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -35,9 +55,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise UserError(f"--top-p {args.top_p}: must be in (0, 1]")
     quiet_transformers()
 
-    from clustertrain.inference import complete, load_for_inference
+    from clustertrain.inference import complete
 
-    model, tokenizer = load_for_inference(args.source)
+    model, tokenizer = load_model(args, args.source)
     [text] = complete(model, tokenizer, [args.prompt], max_new_tokens=args.max_tokens,
                       temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     print(text)

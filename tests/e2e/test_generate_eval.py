@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_cli, train
+import torch
+from helpers import run_cli, train, write_tiny_repo
 
 from clustertrain.cli import main
 from clustertrain.data.synthetic import read_task
+from clustertrain.inference import complete, inference_device, inference_dtype, load_for_inference
 
 STEPS = 120
 LORA_STEPS = 60
@@ -124,3 +126,38 @@ def test_lora_fine_tune_raises_the_accuracy_of_an_exported_base(trained, tmp_pat
     print(f"LoRA: exact match {before['accuracy']:.0%} before, {after['accuracy']:.0%} after {LORA_STEPS} steps")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert after["accuracy"] > before["accuracy"] + 0.25, (before["accuracy"], after["accuracy"])
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    return write_tiny_repo(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: this torch build sees no GPU; use --device cpu (or auto)"),
+    ("cuda:7", "--device cuda:7: this torch build sees no GPU; use --device cpu (or auto)"),
+    ("tpu", "--device tpu: "),
+    ("gpu0", "--device gpu0: not a device; use auto, cpu, cuda or cuda:N"),
+])
+def test_a_device_that_is_not_here_is_one_line_exit_2(tiny_export, capsys, device, message):
+    if torch.cuda.is_available() and device.startswith("cuda"):
+        message = "" if device == "cuda" else f"--device {device}: torch sees {torch.cuda.device_count()} GPU(s)"
+    code = main(["generate", str(tiny_export), "--prompt", "the", "--max-tokens", "2", "--device", device])
+    err = capsys.readouterr().err
+    if not message:  # a GPU machine: it runs there
+        assert code == 0, err
+        return
+    assert code == 2 and err.startswith(f"error: {message}") and len(err.strip().splitlines()) == 1, err
+
+
+def test_dtype_and_device_choose_how_the_model_is_loaded(tiny_export, capsys):
+    device = inference_device("auto")
+    assert device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert inference_dtype("auto", torch.device("cpu")) == torch.float32
+    assert inference_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    model, tokenizer = load_for_inference(tiny_export, "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    greedy = complete(model, tokenizer, ["the quick"], max_new_tokens=4)
+    assert main(["generate", str(tiny_export), "--prompt", "the quick", "--max-tokens", "4", "--temperature", "0",
+                 "--device", "cpu", "--dtype", "bf16"]) == 0
+    assert capsys.readouterr().out == greedy[0] + "\n"
