@@ -106,7 +106,8 @@ def document_lengths(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int
 def _add_document_lengths(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     positions = kwargs.get("position_ids")
     if (positions is None or positions.ndim != 2 or args or kwargs.get("attention_mask") is not None
-            or kwargs.get("past_key_values") is not None or "cu_seq_lens_q" in kwargs):
+            or kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None
+            or "cu_seq_lens_q" in kwargs):
         return None
     inputs = kwargs.get("input_ids")
     rows = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[0]

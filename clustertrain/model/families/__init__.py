@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,7 @@ class Stage(Protocol):
 
     @property
     def base(self) -> PreTrainedModel:
-        """The pruned HF base model (e.g. `LlamaModel`): the embeddings on the first stage, the final norm on the last."""
+        """The pruned HF base model (`LlamaModel`, ...): embeddings on the first stage, final norm on the last."""
 
     @property
     def layers(self) -> nn.ModuleDict:
@@ -75,6 +76,22 @@ class Family:
     pp_plan: Plan | None = None
     tp_plan: dict[str, str] | None = None
     local_head_counts: dict[str, str] = field(default_factory=dict)
+
+
+def stage_mask(mask_function: Callable, config: PretrainedConfig, hidden: torch.Tensor,
+               position_ids: torch.Tensor | None = None):
+    """`mask_function`'s mask (`transformers.masking_utils`) for a stage's layers: no padding mask, no cache.
+
+    The cache argument has no default and was renamed (`past_key_values` -> `cache` in transformers 5.24), so it
+    is named as the installed version names it.
+    """
+    return mask_function(config=config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
+                         **{_cache_argument(mask_function): None})
+
+
+@functools.cache
+def _cache_argument(function: Callable) -> str:
+    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
 
 
 def family_of(model_type: str) -> Family | None:

@@ -6,7 +6,7 @@ which cannot be split by heads (`parallel.tp > 1` is refused).
 
 from transformers.masking_utils import create_causal_mask
 
-from clustertrain.model.families import Family
+from clustertrain.model.families import Family, stage_mask
 
 
 def embed(stage, input_ids, position_ids):
@@ -14,11 +14,9 @@ def embed(stage, input_ids, position_ids):
 
 
 def decode(stage, hidden, position_ids):
-    mask = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=None,
-                              past_key_values=None, position_ids=position_ids)
+    mask = stage_mask(create_causal_mask, stage.config, hidden, position_ids)
     for block in stage.layers.values():
-        hidden = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
-                       position_ids=position_ids)
+        hidden = block(hidden, attention_mask=mask, use_cache=False, position_ids=position_ids)
     return hidden
 
 

@@ -10,14 +10,14 @@ from collections.abc import Callable
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from clustertrain.model.families import Family
+from clustertrain.model.families import Family, stage_mask
 
 
 def full_attention(config: PretrainedConfig, index: int) -> str:
     return "full_attention"
 
 
-def _sliding_if_set(config: PretrainedConfig, index: int) -> str:
+def sliding_if_set(config: PretrainedConfig, index: int) -> str:
     return "full_attention" if config.sliding_window is None else "sliding_attention"
 
 
@@ -25,11 +25,11 @@ def _by_layer_type(config: PretrainedConfig, index: int) -> str:
     return config.layer_types[index]
 
 
-# How each model's forward picks a layer's mask
+# How each model's forward picks a layer's mask (MoE models included: their experts live inside the layers)
 MASK_KIND = {
-    "llama": full_attention, "gemma": full_attention,
-    "mistral": _sliding_if_set, "phi3": _sliding_if_set,
-    "qwen2": _by_layer_type, "qwen3": _by_layer_type,
+    "llama": full_attention, "gemma": full_attention, "olmo": full_attention, "olmo2": full_attention,
+    "mistral": sliding_if_set, "phi3": sliding_if_set, "mixtral": sliding_if_set, "qwen3_moe": sliding_if_set,
+    "qwen2": _by_layer_type, "qwen3": _by_layer_type, "qwen2_moe": _by_layer_type, "smollm3": _by_layer_type,
 }
 _MASK_FUNCTIONS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
 
@@ -44,13 +44,11 @@ def rope_decoder(mask_kind: Callable[[PretrainedConfig, int], str]):
     def decode(stage, hidden, position_ids):
         config = stage.config
         kinds = {index: mask_kind(config, int(index)) for index in stage.layers}
-        masks = {kind: _MASK_FUNCTIONS[kind](config=config, inputs_embeds=hidden, attention_mask=None,
-                                             past_key_values=None, position_ids=position_ids)
-                 for kind in set(kinds.values())}
+        masks = {kind: stage_mask(_MASK_FUNCTIONS[kind], config, hidden, position_ids) for kind in set(kinds.values())}
         position_embeddings = stage.base.rotary_emb(hidden, position_ids=position_ids)
         for index, layer in stage.layers.items():
             hidden = layer(hidden, attention_mask=masks[kinds[index]], position_embeddings=position_embeddings,
-                           position_ids=position_ids, past_key_values=None, use_cache=False)
+                           position_ids=position_ids, use_cache=False)
         return hidden
 
     return decode

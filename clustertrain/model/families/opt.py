@@ -8,7 +8,7 @@ its attention reshapes by a head count kept as an attribute, which tensor parall
 import torch
 from transformers.masking_utils import create_causal_mask
 
-from clustertrain.model.families import Family
+from clustertrain.model.families import Family, stage_mask
 
 _ATTENTION = "decoder.layers.*.self_attn"
 
@@ -24,12 +24,12 @@ def embed(stage, input_ids, position_ids):
 
 def decode(stage, hidden, position_ids):
     # OPTDecoder builds its mask without position_ids
-    mask = create_causal_mask(config=stage.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None)
+    mask = stage_mask(create_causal_mask, stage.config, hidden)
     layerdrop = stage.base.decoder.layerdrop
     for layer in stage.layers.values():
         if stage.training and layerdrop > 0.0 and torch.rand([]) < layerdrop:
             continue
-        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, past_key_values=None, use_cache=False)
+        hidden = layer(hidden, attention_mask=mask, position_ids=position_ids, use_cache=False)
     return hidden
 
 

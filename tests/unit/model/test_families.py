@@ -15,12 +15,13 @@ PACKAGE = Path(families_package.__file__).parents[2]
 
 def test_every_family_file_is_found_and_owns_its_model_types():
     files = sorted(p.stem for p in (PACKAGE / "model" / "families").glob("*.py") if p.stem != "__init__")
-    assert files == ["gpt2", "granite", "llama", "opt"]
+    assert files == ["gpt2", "granite", "llama", "opt", "phi", "starcoder2"]
     found = families()
     for name in files:
         module = __import__(f"clustertrain.model.families.{name}", fromlist=["FAMILY"])
         assert all(found[model_type] is module.FAMILY for model_type in module.FAMILY.model_types)
-    assert {"llama", "qwen2", "mistral", "gemma", "phi3", "qwen3", "gpt2", "opt", "granite"} <= set(found)
+    assert {"llama", "qwen2", "mistral", "gemma", "phi3", "qwen3", "olmo2", "mixtral", "gpt2", "opt", "granite",
+            "phi", "starcoder2"} <= set(found)
     assert family_of("bloom") is None
     assert family_of("opt").tp_plan and family_of("opt").local_head_counts and family_of("opt").pp_plan
     assert family_of("llama").tp_plan is None  # transformers ships it

@@ -22,6 +22,16 @@ ARCHS = {
     "qwen3": {**ROPE, "head_dim": 16},
     "phi3": ROPE,
     "gemma": {**ROPE, "head_dim": 16},
+    "olmo": ROPE,
+    "olmo2": ROPE,
+    "smollm3": ROPE,
+    "mixtral": {**ROPE, "sliding_window": 3, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {**ROPE, "head_dim": 16, "use_sliding_window": True, "sliding_window": 3, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen2_moe": {**ROPE, "use_sliding_window": True, "sliding_window": 3, "max_window_layers": 2, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32},
+    "phi": ROPE,
+    "starcoder2": {**ROPE, "sliding_window": 3},
     # multipliers away from 1, so a stage that skipped one would give other logits
     "granite": {**ROPE, "embedding_multiplier": 3.0, "logits_scaling": 4.0, "residual_multiplier": 0.5,
                 "attention_multiplier": 0.2},
@@ -120,7 +130,7 @@ def test_stages_keep_the_full_models_names_and_share_only_the_tied_head(arch):
         for head, embedding in tied:
             assert embedding in names[0] and head in names[-1]
         assert [list(stage.layer_indices) for stage in stages] == list(map(list, split_layers(4, num_stages)))
-    expect_tied = num_stages > 1 and arch in ("llama", "gemma", "gpt2", "opt")  # the configs that tie
+    expect_tied = num_stages > 1 and model.config.tie_word_embeddings
     assert bool(tied) == expect_tied
     if tied:
         assert tied[0][0] == "lm_head.weight"
