@@ -3,8 +3,8 @@
     model, tokenizer = load_for_inference("runs/tiny-llama")          # newest checkpoint of a run
     model, tokenizer = load_for_inference("exports/tiny-llama")        # `clustertrain export` output
     model, tokenizer = load_for_inference("exports/adapter")           # a LoRA adapter on its base model
-    device = inference_device("auto"); model, tokenizer = load_for_inference(source, device,
-                                                                              inference_dtype("auto", device))
+    device = inference_device("auto")                                  # a GPU when torch sees one
+    model, tokenizer = load_for_inference("exports/x", device, inference_dtype("auto", device))  # bf16 there
     complete(model, tokenizer, ["reverse: a b c ="], max_new_tokens=8) # greedy: [" c b a"]
 """
 

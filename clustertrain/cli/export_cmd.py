@@ -16,7 +16,6 @@ from pathlib import Path
 from clustertrain.inference import DTYPES
 
 
-
 def add_parser(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export", help="write a checkpoint as a Hugging Face model directory (safetensors)",
