@@ -91,8 +91,6 @@ def run_verify(args: argparse.Namespace) -> int:
         if not args.out:
             out.rmdir()  # the temporary directory made above, still empty
         raise
-    dtype = layout.parallel.param_dtype
-    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[dtype]
 
     out.mkdir(parents=True, exist_ok=True)
     for name in ("layout", "reference"):  # before either run: a folder that is not ours stops verify at once
@@ -107,8 +105,17 @@ def run_verify(args: argparse.Namespace) -> int:
         if code != 0:
             return code
         runs[name] = logged_steps(out / name)
+    dtype = ran_param_dtype(out / "layout")
+    tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[dtype]
     return compare(runs["layout"], runs["reference"], tolerance,
                    f"for {dtype}" if args.tolerance is None else "(--tolerance)")
+
+
+def ran_param_dtype(run_dir: Path) -> str:
+    """The compute dtype a run used (`parallel.param_dtype` as resolved on its device), from its config.yaml."""
+    import yaml
+
+    return yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["param_dtype"]
 
 
 def verify_overrides(steps: int, run_dir: Path) -> list[str]:

@@ -238,7 +238,10 @@ class ParallelConfig(Section):
     dp_replicate: int | None = Field(
         None, gt=0, description="Ranks that hold replicas (DDP, or across hybrid shard groups); default from `strategy`."
     )
-    param_dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype.")
+    param_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype. auto: bfloat16 on a GPU that supports it (Ampere, Hopper, MI200 and "
+        "newer), else float32 (on CUDA with TF32 matmuls). The run's config.yaml records what ran.",
+    )
     loss_scale: float = Field(2.0**16, gt=0, allow_inf_nan=False, description="float16: the loss scaler's first "
                               "scale; it halves at every step whose scaled gradients overflow (that step is skipped).")
     activation_checkpoint: Literal["none", "full", "selective"] = Field(

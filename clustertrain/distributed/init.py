@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -28,14 +29,22 @@ def pick_device(parallel: ParallelConfig, info: RankInfo) -> torch.device:
     return torch.device("cuda", info.local_rank % torch.cuda.device_count())
 
 
-def init_distributed(parallel: ParallelConfig, info: RankInfo) -> torch.device:
-    """Initialize torch.distributed for this rank (also for a single process) and return its device."""
+def init_distributed(parallel: ParallelConfig, info: RankInfo, run_dir: Path | None = None) -> torch.device:
+    """Initialize torch.distributed for this rank (also for a single process) and return its device.
+
+    On a GPU, float32 matmuls use TF32 tensor cores, and NCCL's flight recorder (when the job turned it on with
+    TORCH_NCCL_TRACE_BUFFER_SIZE, as the GPU presets do) dumps its trace on a timeout into `run_dir` as
+    nccl-trace-rank_<rank>, for `python -m torch.distributed.flight_recorder.fr_trace`.
+    """
     device = pick_device(parallel, info)
     backend = parallel.backend if parallel.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise ConfigError("parallel.backend = 'nccl' needs GPUs; use gloo (or auto) on CPU")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")  # TF32: fp32 work without it runs at a fraction of the peak
+        if run_dir is not None and backend == "nccl":
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(Path(run_dir).resolve() / "nccl-trace-rank_"))
     elif "OMP_NUM_THREADS" not in os.environ:
         # Ranks on one node share its cores; oversubscribing them slows every rank down.
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // info.local_world_size))

@@ -17,6 +17,12 @@ from clustertrain.errors import ConfigError
 from clustertrain.launch.presets import Preset, load_preset
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+# Every GPU job, before the preset's and the config's own: the caching allocator grows segments instead of
+# fragmenting (fewer OOMs at high memory use; ROCm builds read the same variable), and NCCL's flight recorder
+# keeps the last collectives of each rank and dumps them into the run directory on a timeout
+# (clustertrain.distributed.init names the file), so a hang names the collective and the rank that stalled.
+GPU_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+           "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -51,7 +57,7 @@ def job_spec(slurm: SlurmConfig, preset: Preset | None = None) -> JobSpec:
         cpus = max(1, preset.cores_per_node // tasks)
     if cpus is None and gpus:
         cpus = 1  # a GPU rank's threads only feed its GPU
-    env = {**OFFLINE_ENV, "OMP_NUM_THREADS": str(cpus) if cpus else "${cpus_per_task}"}
+    env = {**OFFLINE_ENV, **(GPU_ENV if gpus else {}), "OMP_NUM_THREADS": str(cpus) if cpus else "${cpus_per_task}"}
     if preset.scratch:
         env |= {"CLUSTERTRAIN_CACHE": f"{preset.scratch}/clustertrain", "HF_HOME": f"{preset.scratch}/huggingface"}
     return JobSpec(

@@ -63,6 +63,7 @@ def count_params(model: nn.Module) -> dict[str, int]:
         ``flops_params``: parameters that cost matmul FLOPs per token (nanoGPT's N):
         ``total - embedding``, plus the lm_head size when the head is tied to the input
         embedding (the lookup is free, but the tied output projection is a real matmul).
+        ``frozen_flops_params``: the part of ``flops_params`` that takes no gradient (LoRA's base).
     """
     unique: dict[int, nn.Parameter] = {}
     for p in model.parameters():
@@ -71,27 +72,32 @@ def count_params(model: nn.Module) -> dict[str, int]:
     trainable = sum(p.numel() for p in unique.values() if p.requires_grad)
     emb = _input_embedding_params(model)
     embedding = sum(p.numel() for p in emb.values())
-    flops_params = total - embedding
+    matmul = [p for key, p in unique.items() if key not in emb]
     get_output = getattr(model, "get_output_embeddings", None)
     head_weight = getattr(get_output() if callable(get_output) else None, "weight", None)
     if head_weight is not None and id(head_weight) in emb:  # tied lm_head
-        flops_params += head_weight.numel()
+        matmul.append(head_weight)
+    flops_params = sum(p.numel() for p in matmul)
+    frozen_flops_params = sum(p.numel() for p in matmul if not p.requires_grad)
     return {
         "total": total,
         "trainable": trainable,
         "embedding": embedding,
         "flops_params": flops_params,
+        "frozen_flops_params": frozen_flops_params,
     }
 
 
-def flops_per_token(flops_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+def flops_per_token(flops_params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int,
+                    frozen_params: int = 0) -> float:
     """Training (forward + backward) FLOPs per token.
 
     ``6·N + 12·L·H·Q·T`` (PaLM, Chowdhery et al. 2022, appendix B; as in nanoGPT's
     ``estimate_mfu``): each of the N matmul parameters costs 2 FLOPs forward and 4
-    backward; attention scores and the weighted sum of values add ``2·2·H·Q·T`` per layer
-    forward, times 3 for forward + backward. Causal masking is not discounted, by
-    convention.
+    backward (2 for the input's gradient, 2 for its own); attention scores and the weighted
+    sum of values add ``2·2·H·Q·T`` per layer forward, times 3 for forward + backward.
+    Causal masking is not discounted, by convention. A frozen parameter (LoRA's base) takes
+    no gradient of its own: it costs 4, so ``6·(N - F) + 4·F`` for F frozen ones.
 
     Args:
         flops_params: N, from :func:`count_params` (``flops_params``).
@@ -99,8 +105,9 @@ def flops_per_token(flops_params: int, n_layers: int, n_heads: int, head_dim: in
         n_heads: H, query heads.
         head_dim: Q, dimension of one head.
         seq_len: T, tokens per sequence.
+        frozen_params: F, those of the N that take no gradient.
     """
-    return 6.0 * flops_params + 12.0 * n_layers * n_heads * head_dim * seq_len
+    return 6.0 * flops_params - 2.0 * frozen_params + 12.0 * n_layers * n_heads * head_dim * seq_len
 
 
 def _config_attr(config: object, names: tuple[str, ...]) -> int | None:
@@ -131,8 +138,8 @@ def model_flops_per_token(model: nn.Module, seq_len: int) -> float:
             f"cannot read layers/heads/head_dim from {type(config).__name__}: "
             f"got n_layers={n_layers}, n_heads={n_heads}, head_dim={head_dim}"
         )
-    n = count_params(model)["flops_params"]
-    return flops_per_token(n, n_layers, n_heads, head_dim, seq_len)
+    counts = count_params(model)
+    return flops_per_token(counts["flops_params"], n_layers, n_heads, head_dim, seq_len, counts["frozen_flops_params"])
 
 
 def training_memory_floor(model: nn.Module, *, rows: int, seq_len: int, logits_tokens: int, activation_bytes: int,

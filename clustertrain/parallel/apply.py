@@ -22,6 +22,15 @@ from clustertrain.parallel.tp import apply_tp
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_param_dtype(requested: str, device_type: str) -> str:
+    """`parallel.param_dtype` as it runs on `device_type`: "auto" is bfloat16 on a GPU with bf16 tensor cores,
+    float32 elsewhere (a V100, whose bf16 is emulated; the CPU, where bf16 matmuls are slow); others as given."""
+    if requested != "auto":
+        return requested
+    native_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bfloat16" if native_bf16 else "float32"
+
+
 def parallelize(
     model: nn.Module,
     parallel: ParallelConfig,

@@ -75,9 +75,17 @@ class LocalRunner:
         return total
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Forward only: the summed token loss of the batch."""
+        """Forward only: the summed token loss of the batch, in the microbatches of training (the logits of a
+        rank's whole share would not fit where training's fit)."""
+        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
+        rows = ids.shape[0] // self.microbatches
+        total = torch.zeros((), device=ids.device)
         with self.autocast():
-            return self.loss.model_loss_sum(self.model, batch["input_ids"], batch["labels"], batch.get("position_ids"))
+            for i in range(self.microbatches):
+                part = slice(i * rows, (i + 1) * rows)
+                total += self.loss.model_loss_sum(self.model, ids[part], labels[part],
+                                                  None if positions is None else positions[part])
+        return total
 
     def sync_grads(self) -> None:
         """Nothing to do: DDP and FSDP reduced the gradients in the backward."""

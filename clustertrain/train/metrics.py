@@ -46,6 +46,7 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
     ("tokens_per_s", lambda v: f"{_si(v)} tok/s"),
     ("mfu", lambda v: f"mfu {100 * v:.1f}%"),
     ("mem_gb", lambda v: f"mem {v:.2f} GB"),
+    ("mem_reserved_gb", lambda v: f"reserved {v:.2f} GB"),
     ("eval_loss", lambda v: f"eval_loss {v:.4f}"),
     ("eval_ppl", lambda v: f"eval_ppl {v:.2f}"),
     ("data_skipped", lambda v: f"skipped {v} bad records"),

@@ -9,7 +9,6 @@ import contextlib
 import gc
 import json
 import math
-import resource
 from collections import Counter
 import time
 from dataclasses import dataclass
@@ -43,16 +42,17 @@ from clustertrain.model.estimate import (check_memory_floor, count_params, model
 from clustertrain.model.kernels import apply_kernels
 from clustertrain.model.load import block_classes, build_hf_config, build_meta_model, snapshot_dir
 from clustertrain.model.weights import materialize
-from clustertrain.parallel.apply import DTYPES, data_parallel_wrapper, parallelize, unwrap
+from clustertrain.parallel.apply import DTYPES, data_parallel_wrapper, parallelize, resolve_param_dtype, unwrap
 from clustertrain.parallel.tp import model_shape
 from clustertrain.train.lock import RunLock, lock_run_dir
 from clustertrain.train.loss import TokenLoss, apply_loss_head, resolve_loss
+from clustertrain.train.memory import PeakMemory
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.profile import StepProfiler
 from clustertrain.train.sample import data_prompt, sample_ids
 from clustertrain.train.status import write_status
-from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, train_step
+from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, out_of_memory_named, train_step
 
 
 EPOCH_COUNT = "epoch_count.json"  # in the run directory: train.epochs' count of one pass, for later starts
@@ -95,7 +95,8 @@ class Trainer:
         # Every problem of this config on this many ranks, at once, before the process group starts.
         self.layout = resolve_layout(cfg, self.info.world_size, self.info.local_world_size,
                                      model_shape(cfg.model, cfg.data.vocab_size))
-        self.device = init_distributed(cfg.parallel, self.info)
+        self.device = init_distributed(cfg.parallel, self.info, self.run_dir)
+        cfg.parallel.param_dtype = resolve_param_dtype(cfg.parallel.param_dtype, self.device.type)
         self.rank0 = dist.get_rank() == 0
         self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
         torch.manual_seed(cfg.train.seed + dist.get_rank())
@@ -143,7 +144,8 @@ class Trainer:
             loss=TokenLoss(), microbatches=self.microbatches,
         )
         # The largest rank's peak memory once the weights are in place: what loading the model cost.
-        self.load_mem_gb, = reduce_values([memory_gb(self.device)], op="max")
+        self.peak_memory = PeakMemory(self.device)
+        self.load_mem_gb, = reduce_values([self.peak_memory.read_and_reset()["mem_gb"]], op="max")
         self.optimizer = build_optimizer(self.runner.parts, cfg.optim,
                                          loss_scaling=cfg.parallel.param_dtype == "float16")
         self.scaler = (ShardedGradScaler(self.device.type, init_scale=cfg.parallel.loss_scale)
@@ -380,7 +382,7 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_rank": tokens_per_s / world if tokens_per_s else None,
             "mfu": mfu,
-            "mem_gb": memory_gb(self.device),
+            **self.peak_memory.read_and_reset(),  # of the steps since the last log line
             **({"loss_scale": self.scaler.get_scale()} if self.scaler else {}),
             **({"nan_skipped": skipped} if skipped else {}),
             "tokens": self.tokens_seen,
@@ -407,7 +409,9 @@ class Trainer:
         totals = torch.zeros(2, device=self.device)
         for _ in range(self.config.train.eval_batches):
             batch = self._next_batch(loader)
-            totals[0] += self.runner.eval_loss_sum(batch)
+            rows, seq_len = batch["input_ids"].shape
+            with out_of_memory_named(rows // self.microbatches, seq_len):
+                totals[0] += self.runner.eval_loss_sum(batch)
             totals[1] += batch["labels"].ne(IGNORE_INDEX).sum()
         totals = all_reduce(totals, group=self.mesh.dp_group)
         self.runner.train()
@@ -580,10 +584,3 @@ def _saved_count(path: Path, key: list) -> int | None:
     except (OSError, ValueError):
         return None
     return saved.get("sequences") if isinstance(saved, dict) and saved.get("key") == key else None
-
-
-def memory_gb(device: torch.device) -> float:
-    """Peak memory of this rank: GPU allocator peak, or the process's peak RSS on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux

@@ -221,3 +221,13 @@ def test_gpu_ranks_keep_their_per_gpu_cpu_binding():
     assert "#SBATCH --cpus-per-task=7" in frontier and "export OMP_NUM_THREADS=7" in frontier
     generic_gpus = render("slurm.gpus_per_node=4").splitlines()
     assert "#SBATCH --cpus-per-task=1" in generic_gpus and "#SBATCH --exclusive" not in generic_gpus
+
+
+def test_gpu_jobs_get_the_expandable_allocator_and_nccls_flight_recorder():
+    gpu_env = ("export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "export TORCH_NCCL_TRACE_BUFFER_SIZE=2000",
+               "export TORCH_NCCL_DUMP_ON_TIMEOUT=1")
+    for script in (render(preset="frontier"), render(preset="perlmutter"), render("slurm.gpus_per_node=4")):
+        assert set(gpu_env) <= set(script.splitlines())
+    assert not set(gpu_env) & set(render().splitlines()), "CPU jobs have no CUDA allocator or NCCL"
+    own = render("slurm.env={PYTORCH_CUDA_ALLOC_CONF: 'max_split_size_mb:512'}", preset="frontier")
+    assert "export PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:512" in own.splitlines(), "the config's own value wins"

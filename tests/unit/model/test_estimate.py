@@ -58,6 +58,7 @@ def test_count_params_llama_by_hand():
         "trainable": LLAMA_TOTAL,
         "embedding": LLAMA_EMBED,
         "flops_params": LLAMA_TOTAL - LLAMA_EMBED,
+        "frozen_flops_params": 0,
     }
 
 
@@ -84,7 +85,7 @@ def test_count_params_dedupes_shared_modules_and_frozen():
     model = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(4, 2))
     model[3].requires_grad_(False)
     counts = count_params(model)
-    assert counts == {"total": 20 + 10, "trainable": 20, "embedding": 0, "flops_params": 30}
+    assert counts == {"total": 20 + 10, "trainable": 20, "embedding": 0, "flops_params": 30, "frozen_flops_params": 10}
 
 
 def test_count_params_on_fsdp2_dtensors(tmp_path):
@@ -128,6 +129,19 @@ def test_model_flops_per_token_uses_explicit_head_dim():
     model = build(config, "meta")
     n = count_params(model)["flops_params"]
     assert model_flops_per_token(model, 16) == 6 * n + 12 * 2 * 4 * 32 * 16
+
+
+def test_lora_flops_count_no_weight_gradient_for_the_frozen_base():
+    import peft
+
+    model = peft.get_peft_model(build(llama_config(), "meta"), peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    counts = count_params(model)
+    lora = 2 * 2 * (64 * 8 + 8 * 64)  # 2 layers x (q, v) x (A + B)
+    assert counts["flops_params"] == LLAMA_TOTAL - LLAMA_EMBED + lora
+    assert counts["frozen_flops_params"] == LLAMA_TOTAL - LLAMA_EMBED
+    attention = 12 * 2 * 4 * 16 * 128
+    # The base costs its forward (2) and its input's gradient (2) per token; only the adapters take 6.
+    assert model_flops_per_token(model, 128) == 4 * (LLAMA_TOTAL - LLAMA_EMBED) + 6 * lora + attention
 
 
 @pytest.mark.parametrize(

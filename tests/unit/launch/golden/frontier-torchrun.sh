@@ -26,6 +26,9 @@ module load PrgEnv-gnu rocm craype-accel-amd-gfx90a
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export OMP_NUM_THREADS=7
 export CLUSTERTRAIN_CACHE="/lustre/orion/${SLURM_JOB_ACCOUNT}/scratch/${USER}/clustertrain"
 export HF_HOME="/lustre/orion/${SLURM_JOB_ACCOUNT}/scratch/${USER}/huggingface"

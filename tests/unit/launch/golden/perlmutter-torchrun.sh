@@ -27,6 +27,9 @@ module load pytorch
 export HF_HUB_OFFLINE=1
 export HF_DATASETS_OFFLINE=1
 export TRANSFORMERS_OFFLINE=1
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export TORCH_NCCL_TRACE_BUFFER_SIZE=2000
+export TORCH_NCCL_DUMP_ON_TIMEOUT=1
 export OMP_NUM_THREADS=32
 export CLUSTERTRAIN_CACHE="${SCRATCH}/clustertrain"
 export HF_HOME="${SCRATCH}/huggingface"

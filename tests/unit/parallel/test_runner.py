@@ -1,0 +1,30 @@
+"""LocalRunner: evaluation runs in training's microbatches, so its logits fit where training's fit."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from clustertrain.parallel.runner import LocalRunner
+from clustertrain.train.loss import TokenLoss, token_loss_sum
+
+
+def test_evaluation_forwards_one_microbatch_at_a_time_and_sums_them_all():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    rows_seen: list[int] = []
+    model.register_forward_pre_hook(lambda _module, args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    ids = torch.randint(0, 100, (8, 12))
+    labels = ids.clone()
+    labels[:, :3] = -100  # rows of unequal loss: a mean per microbatch would differ from the sum
+    labels[5, :9] = -100
+    runner = LocalRunner(model, TokenLoss(), microbatches=4, device=torch.device("cpu"), autocast_dtype=None)
+    with torch.no_grad():
+        total = runner.eval_loss_sum({"input_ids": ids, "labels": labels})
+        rows_seen_by_runner, rows_seen[:] = list(rows_seen), []
+        whole = token_loss_sum(model, ids, labels)
+    assert rows_seen_by_runner == [2, 2, 2, 2], "the logits of a rank's whole share must never exist at once"
+    torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
