@@ -106,9 +106,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _chunks(hidden, weight, bias, labels, chunk_tokens, grads: bool):
     """The summed loss and, with `grads`, its gradients for hidden, weight and bias (None where not needed)."""
     grad_hidden = torch.empty_like(hidden) if grads and hidden.requires_grad else None
-    # The weight gradient sums over chunks in fp32 (a frozen head, as under LoRA, needs none).
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-        if grads and weight.requires_grad else None
+    # The weight gradient sums over chunks in fp32 or wider (a frozen head, as under LoRA, needs none).
+    grad_weight = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                              device=weight.device) if grads and weight.requires_grad else None
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
         if grads and bias is not None and bias.requires_grad else None
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -150,11 +150,23 @@ def _chunk(h, y, weight, bias, grads: bool, grad_hidden, grad_weight, grad_bias)
     del logits  # the fp32 copy, when the compute dtype is lower
     if grad_hidden is not None:
         grad_hidden.copy_(d_logits @ weight)
-    if grad_weight is not None and d_logits.dtype == h.dtype == torch.float32:
-        grad_weight.addmm_(d_logits.t(), h)
-    elif grad_weight is not None:  # a low-precision product per chunk, summed in fp32
-        grad_weight += d_logits.t() @ h
+    if grad_weight is not None:
+        _add_product_fp32(grad_weight, d_logits.t(), h.to(d_logits.dtype))
     return loss
+
+
+def _add_product_fp32(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """`out += a @ b` in place, in `out`'s dtype (fp32 or wider), without rounding the product to `a`'s.
+
+    Rounding each chunk's product before summing would add one rounding of the compute dtype per chunk to
+    the head's gradient; here the weight gradient is rounded once, when `_chunks` converts it.
+    """
+    if a.dtype == out.dtype:
+        out.addmm_(a, b)
+    elif out.is_cuda and torch.version.hip is None:  # the GEMM accumulates in fp32 into out: no [V, H] temporary
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    else:  # the CPU (and ROCm, unchecked) has no mixed-dtype addmm: one chunk's operands are upcast instead
+        out.addmm_(a.to(out.dtype), b.to(out.dtype))
 
 
 @functools.cache
