@@ -49,12 +49,13 @@ def apply_kernels(model: nn.Module, kernels: str, device: torch.device, tp: int 
     """Patch liger-kernel's fused kernels into `model` (meta or not; peft-wrapped or not) where they can run.
 
     `kernels` is `model.kernels`: "none" keeps PyTorch's; "liger" and "auto" use Liger where it applies (see
-    `liger_unavailable`), and elsewhere fall back, "liger" with a line saying why and "auto" with one only on
-    CUDA (on a CPU nothing else was to be expected). Where Liger applies but fails (it does not import, or
-    its patching raises), the model is left as it was: "auto" falls back with a line saying why.
+    `liger_unavailable`). Elsewhere "auto" falls back, with a line saying why on CUDA (on a CPU nothing else
+    was to be expected). Where Liger applies but fails (it does not import, or its patching raises), the model
+    is left as it was and "auto" falls back with a line saying why. An explicit "liger" on a CPU falls back
+    with a line, so that a GPU config also runs on a laptop.
 
     Raises:
-        ConfigError: `kernels` is "liger", and Liger applies here but fails.
+        ConfigError: `kernels` is "liger" on CUDA, and Liger cannot run or fails.
     """
     if kernels == "none":
         return Kernels("none")
@@ -73,6 +74,9 @@ def apply_kernels(model: nn.Module, kernels: str, device: torch.device, tp: int 
             raise ConfigError(f"model.kernels: liger: {failure}; repair or upgrade liger-kernel "
                               "(pip install -U liger-kernel), or set model.kernels to auto or none") from e
         return Kernels("none", note=f"model.kernels: {kernels}: {failure}; using PyTorch kernels")
+    if reason and kernels == "liger" and device.type == "cuda":
+        raise ConfigError(f"model.kernels: liger: {reason}; install a liger-kernel that runs here, or set "
+                          "model.kernels to auto or none")
     if reason:
         quiet = kernels == "auto" and device.type != "cuda"
         return Kernels("none", note=None if quiet else f"model.kernels: {kernels}: {reason}; using PyTorch kernels")

@@ -140,9 +140,13 @@ def test_our_call_into_liger_does_not_wait_on_the_device(monkeypatch):
 
 def test_a_liger_without_fp32_accumulation_is_not_used(monkeypatch):
     StandIn(monkeypatch, accum_dtype=False)
-    assert apply_kernels(tiny_llama(), "liger", CUDA) == Kernels("none", note=(
-        "model.kernels: liger: this liger-kernel is too old: its fused loss takes no accum_dtype "
-        "(pip install -U liger-kernel); using PyTorch kernels"))
+    too_old = "this liger-kernel is too old: its fused loss takes no accum_dtype (pip install -U liger-kernel)"
+    assert apply_kernels(tiny_llama(), "auto", CUDA) == Kernels(
+        "none", note=f"model.kernels: auto: {too_old}; using PyTorch kernels")
+    with pytest.raises(ConfigError) as error:  # asked for by name on a GPU: the start stops, exit 2
+        apply_kernels(tiny_llama(), "liger", CUDA)
+    assert str(error.value) == (f"model.kernels: liger: {too_old}; install a liger-kernel that runs here, or set "
+                                "model.kernels to auto or none")
 
 
 def test_liger_falls_back_on_cpu_with_one_line():
