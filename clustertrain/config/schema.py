@@ -254,7 +254,9 @@ class ParallelConfig(Section):
     reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl (RCCL on ROCm) on GPUs, gloo on CPU.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
-    timeout_minutes: float = Field(10, gt=0, description="Collective timeout before a hung rank fails the run.")
+    timeout_minutes: float = Field(10, gt=0, description="Collective timeout before a hung rank fails the run; also how "
+                                   "long the other ranks wait for a rank 0 that gives no sign of life while it "
+                                   "prepares the tokenizer or indexes the data.")
 
 
 Beta = Annotated[float, Field(ge=0, lt=1)]

@@ -98,18 +98,18 @@ def _first_on_rank0(store: dist.Store, own: RankFailure) -> RankFailure:
     first = own  # a user error of its own is real, whatever the others had (often the same one, on every rank)
     if not own.user:
         _wait_for(lambda: _count(store) > 1)  # most likely a peer failed first: let its record in
-        first = min(_published(store), key=lambda f: (f.time, f.rank))
+        first = min(published_failures(store), key=lambda f: (f.time, f.rank))
     if first.user or first.rank != 0:  # rank 0's own other error: Python's traceback, on the way out
         shown_by = _show(store, first)
         if shown_by != 0:  # a peer that waited for rank 0 in vain showed its own, earlier error: that is the first
-            first = next((f for f in _published(store) if f.rank == shown_by), first)
+            first = next((f for f in published_failures(store) if f.rank == shown_by), first)
         first.shown = True
     return first
 
 
 def _first_on_peer(store: dist.Store, own: RankFailure) -> RankFailure:
     if not own.user:  # read before publishing: rank 0 may leave once every rank has published
-        earlier = [f for f in _published(store) if f.time <= own.time]
+        earlier = [f for f in published_failures(store) if f.time <= own.time]
         if earlier:
             first = min(earlier, key=lambda f: (f.time, f.rank))
             first.shown = True  # by the rank that had it, or by rank 0
@@ -155,7 +155,7 @@ def _count(store: dist.Store) -> int:
     return store.add(_PREFIX + "count", 0)
 
 
-def _published(store: dist.Store) -> list[RankFailure]:
+def published_failures(store: dist.Store) -> list[RankFailure]:
     keys = [f"{_PREFIX}{i}" for i in range(1, _count(store) + 1)]
     # check() first: a key counted but not yet set (its rank is between add and set) would block get()
     return [RankFailure(**json.loads(store.get(key))) for key in keys if store.check([key])]

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,8 +13,6 @@ from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.collectives import set_rank_device
 from clustertrain.distributed.env import RankInfo
 from clustertrain.errors import ConfigError
-
-T = TypeVar("T")
 
 
 def pick_device(parallel: ParallelConfig, info: RankInfo) -> torch.device:
@@ -63,14 +59,3 @@ def close_distributed() -> None:
     """Tear the process group down if one is up."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def rank0_first(build: Callable[[], T]) -> T:
-    """Run `build` on rank 0 first (it fills shared caches), then on the other ranks, which find them ready."""
-    if dist.get_rank() == 0:
-        try:
-            return build()
-        finally:
-            dist.barrier()  # also on failure: the others then meet the same error instead of hanging
-    dist.barrier()
-    return build()

@@ -32,7 +32,8 @@ from clustertrain.data.tokenize import cache_root, load_tokenizer
 from clustertrain.distributed.collectives import all_reduce, reduce_values
 from clustertrain.distributed.env import RankInfo, detect_launcher
 from clustertrain.distributed.failures import PeerFailed, RankFailure, first_failure, let_peers_report
-from clustertrain.distributed.init import close_distributed, init_distributed, rank0_first
+from clustertrain.distributed.init import close_distributed, init_distributed
+from clustertrain.distributed.rank0 import rank0_first
 from clustertrain.distributed.mesh import build_mesh
 from clustertrain.distributed.stop import Preempted, StopRequests
 from clustertrain.errors import CheckpointError
@@ -109,9 +110,9 @@ class Trainer:
             cfg.model.path = str(Path(cfg.model.path).resolve())
         if self.snapshot is not None and not cfg.data.tokenizer:
             cfg.data.tokenizer = str(self.snapshot)  # fine-tuning: the model's own tokenizer
-        self.tokenizer = rank0_first(lambda: load_tokenizer(cfg.data))
+        self.tokenizer = rank0_first("preparing the tokenizer", lambda: load_tokenizer(cfg.data))
         self.data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
-        self.plan = rank0_first(lambda: DataPlan(
+        self.plan = rank0_first("indexing the data sources", lambda: DataPlan(
             cfg.data, self.tokenizer, cfg.train.global_batch_size, self.data_seed, cache_root(cfg.data)
         ))  # rank 0 first: it writes the source indexes the others then read
         self.loader = self._loader("train")
