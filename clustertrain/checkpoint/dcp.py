@@ -8,6 +8,8 @@ leftover `.tmp-*` is an interrupted save and is removed.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import os
 import random
@@ -15,6 +17,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +32,10 @@ from torch.optim import Optimizer
 from clustertrain.checkpoint.base import check_base
 from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, agree, check_fits, load_state,
                                             open_checkpoint, read_rng)
+from clustertrain.distributed.collectives import rank_device
 from clustertrain.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
-# Test-only: seconds each rank's shard write sleeps first (see SlowedWriter); never set it in a real run.
-SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"
 
 
 def step_dir_name(step: int) -> str:
@@ -55,17 +57,16 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], optimizer, async_group=None,
-                 writer: dcp.FileSystemWriter | None = None, trainable_only: bool = False):
+                 staging: dict[str, Any] | None = None, trainable_only: bool = False) -> Future | None:
     """Write every rank's model/optimizer shards and RNG state into `root/.tmp-step-N/`.
 
     `model` may be a rank's list of pipeline stages, with its Optimizers: their state dicts, keyed by
     full-model names, are saved as one. `trainable_only` (LoRA on a snapshot) leaves out the frozen parameters,
     which the train state's base reference (`clustertrain.checkpoint.base`) stands for. With `async_group` (a
-    process group of its own, so background collectives never interleave with training's) the writes go on in
-    the background and a Future is returned; otherwise None, when done. An async save stages the shards into
-    host memory before it returns; a `writer` made with `cache_staged_state_dict=True` keeps that host copy in
-    pinned memory for every save (a fast device-to-host copy; the writer must be reused). Tests only:
-    CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S slows a save made without `writer` (see SlowedWriter).
+    process group of its own, so background collectives never interleave with training's) the shards are
+    staged into host memory, the writes go on in the background and a Future is returned; otherwise None, when
+    done. `staging` (from `pinned_staging()`, the same for every save) stages a GPU rank's shards into pinned
+    host memory kept from one save to the next.
     """
     tmp = root / f".tmp-{step_dir_name(step)}"
     if dist.get_rank() == 0:
@@ -79,27 +80,33 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
     state = {"model": {k: v for model_state, _ in states for k, v in model_state.items()},
              "optim": _merge_optim([_rename_optim_state(optim_state, _tied_copies(module))
                                     for (module, _), (_, optim_state) in zip(parts, states)])}
-    if writer is None and os.environ.get(SLOW_WRITE_ENV):
-        writer = SlowedWriter(tmp, float(os.environ[SLOW_WRITE_ENV]))
     if async_group is None:
-        dcp.save(state, checkpoint_id=tmp, storage_writer=writer)
+        dcp.save(state, checkpoint_id=tmp)
         return None
-    return dcp.async_save(state, checkpoint_id=tmp, storage_writer=writer, process_group=async_group)
+    return dcp.async_save(state, checkpoint_id=tmp, process_group=async_group, **(staging or {}))
 
 
-class SlowedWriter(dcp.FileSystemWriter):
-    """Test-only: a FileSystemWriter that sleeps `seconds` before writing a rank's shards, chosen by setting
-    CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S. The sleep runs where the write runs (in the training loop for a
-    sync save, in the background thread for an async one), so a test can see whether training goes on while
-    a save is in flight; it stands in for a slow file system and is never used by a real run."""
+def pinned_staging() -> dict[str, Any]:
+    """`dcp.async_save` arguments that stage a GPU rank's shards through pinned host memory, allocated at the
+    first save and reused by every later one (pass the same ones each time, and stage again only once the
+    previous save is written: it reads those buffers).
 
-    def __init__(self, path: Path, seconds: float):
-        super().__init__(path)
-        self.seconds = seconds
-
-    def write_data(self, plan, planner):
-        time.sleep(self.seconds)
-        return super().write_data(plan, planner)
+    torch's DefaultStager where this torch has it (2.9 and later): non-blocking device-to-host copies, then
+    one sync. Else (torch 2.8) a FileSystemWriter that caches its staged state dict, copying tensor by tensor.
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:
+        DefaultStager = None
+    wanted = {"use_pinned_memory", "use_shared_memory", "use_async_staging", "use_non_blocking_copy"}
+    if (DefaultStager is not None and "async_stager" in inspect.signature(dcp.async_save).parameters
+            and wanted <= {f.name for f in dataclasses.fields(StagingOptions)}):
+        # synchronous staging: the copies are done when async_save returns, so the optimizer may step again
+        options = StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+                                 use_non_blocking_copy=True)
+        return {"async_stager": DefaultStager(options)}
+    # async_save points the writer at each save's own folder (its checkpoint_id)
+    return {"storage_writer": dcp.FileSystemWriter(".", cache_staged_state_dict=True)}
 
 
 def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Callable[[Path], None]) -> Path:
@@ -136,26 +143,48 @@ def discard(path: Path) -> None:
     shutil.rmtree(hidden, ignore_errors=True)
 
 
+class CudaRng:
+    """The CUDA calls of rng_state() and set_rng_state(): one device's generator. A CPU test stands in its own."""
+
+    def get(self, device: torch.device) -> torch.Tensor:
+        return torch.cuda.get_rng_state(device)
+
+    def set(self, state: torch.Tensor, device: torch.device) -> None:
+        torch.cuda.set_rng_state(state, device)
+
+
+cuda_rng = CudaRng()
+
+
 def rng_state() -> dict[str, Any]:
-    """Python, numpy and torch RNG states of this rank, as JSON."""
+    """Python, numpy and torch RNG states of this rank, as JSON: the CUDA one of its own device only."""
     np_state = np.random.get_state()
+    device = rank_device()
     return {
         "python": _to_lists(random.getstate()),
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
         "torch": torch.get_rng_state().tolist(),
-        "cuda": [s.tolist() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "cuda": [cuda_rng.get(device).tolist()] if device.type == "cuda" else [],
     }
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what rng_state() saved."""
+    """Restore what rng_state() saved, into this rank's own device.
+
+    The resuming rank may see fewer GPUs than the saving one (srun --gpus-per-task=1 after torchrun, a smaller
+    node). Checkpoints from before one entry per rank hold every GPU the rank saw: the entry of this rank's
+    device index is taken where there is one, else the first.
+    """
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, *rest = state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    saved, device = state["cuda"], rank_device()
+    if saved and device.type == "cuda":
+        index = device.index or 0
+        own = saved[index] if index < len(saved) else saved[0]
+        cuda_rng.set(torch.tensor(own, dtype=torch.uint8), device)
 
 
 def _to_lists(value: Any) -> Any:

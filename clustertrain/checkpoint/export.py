@@ -77,8 +77,10 @@ class Checkpoint:
 
     @property
     def train_dtype(self) -> torch.dtype:
-        """The run's compute dtype (`parallel.param_dtype`): its frozen LoRA base was stored in it."""
-        return getattr(torch, self.config.parallel.param_dtype)
+        """The run's compute dtype (`parallel.param_dtype`): its frozen LoRA base was stored in it. A run records
+        the dtype it resolved; "auto" is left only by `clustertrain import`, which stores fp32."""
+        dtype = self.config.parallel.param_dtype
+        return torch.float32 if dtype == "auto" else getattr(torch, dtype)
 
     def meta_model(self) -> nn.Module:
         """The checkpoint's model on the meta device, LoRA-wrapped if it was, its frozen base in the train dtype."""

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.config.schema import CheckpointConfig
+from clustertrain.distributed.collectives import reduce_values
 from clustertrain.errors import CheckpointError
 
 WRITE_ERRORS = (Exception, CheckpointException)  # DCP's exception derives from BaseException
@@ -39,7 +39,11 @@ class SaveFailed(CheckpointError):
 
 
 class CheckpointManager:
-    """Saves (sync or async, at most one in flight), prunes old checkpoints, survives failed writes."""
+    """Saves (sync or async, at most one in flight), prunes old checkpoints, survives failed writes.
+
+    An async save is committed by the first `commit_if_done()` after its write has finished, or by the next
+    save or `finalize()`, which wait for it.
+    """
 
     def __init__(self, root: Path, config: CheckpointConfig, final_step: int, log: Callable[[str], None],
                  device: torch.device):
@@ -47,8 +51,8 @@ class CheckpointManager:
         # auto: async on GPUs, where the step waits only for a copy into pinned host memory; on the CPU the
         # copy is most of a save's cost, and the background write would compete with training for the cores
         self.async_save = device.type == "cuda" if config.async_save == "auto" else config.async_save
-        self._writer = dcp.FileSystemWriter(root, cache_staged_state_dict=True) if (
-            self.async_save and device.type == "cuda") else None
+        self.pinned_staging = self.async_save and device.type == "cuda"
+        self._staging: dict[str, Any] | None = None  # made at the first save, then kept: it holds the buffers
         self.rank0 = dist.get_rank() == 0
         self._pending: tuple[Future | None, int, dict[str, Any], Callable[[Path], None]] | None = None
         self.last: Path | None = None
@@ -68,12 +72,14 @@ class CheckpointManager:
         is waited for, and a failure raises SaveFailed whatever `checkpoint.on_error` says.
         """
         start = time.perf_counter()  # blocking time includes waiting for the previous save
-        self.finalize()
+        self.finalize()  # the previous save's write reads the staging buffers this save reuses
         if self.async_save and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
+        if self.pinned_staging and self._staging is None:
+            self._staging = ckpt.pinned_staging()
         try:
             future = ckpt.write_shards(self.root, step, model, optimizer, async_group=self._async_group,
-                                       writer=self._writer, trainable_only="base" in train_state)
+                                       staging=self._staging, trainable_only="base" in train_state)
         except WRITE_ERRORS as e:  # any write failure: report, keep the previous checkpoint
             self._failed(step, e, final)
             return None
@@ -81,6 +87,25 @@ class CheckpointManager:
         path = self.finalize(final=final) if wait or final or not self.async_save else None
         self.blocking_s.append(time.perf_counter() - start)
         return path
+
+    def commit_if_done(self) -> Path | None:
+        """Commit the save in flight if its background write has finished on every rank, without waiting for it;
+        returns the committed folder, else None. Every rank calls this at the same step (a log step).
+
+        Ranks must agree, since commit() has barriers, and a rank's Future may finish a moment before another's.
+        DCP's async_save ends with a collective ("write": every rank's result gathered on rank 0, which writes
+        the metadata, then broadcast), so once every rank's Future is done, every shard and the metadata are on
+        disk, and a failed write failed on every rank. One tiny reduction of the ranks' `done()` flags decides:
+        on the world group, in the main thread (a log step syncs with the GPU anyway), never on the async
+        group, whose collectives the background write may be in the middle of.
+        """
+        if self._pending is None:
+            return None
+        future = self._pending[0]
+        done = future is None or future.done()
+        if dist.get_world_size() > 1:
+            done = reduce_values([float(done)], op="min")[0] == 1.0
+        return self.finalize() if done else None
 
     def finalize(self, final: bool = False) -> Path | None:
         """Wait for the save in flight, then make it visible and prune; every rank must call this.

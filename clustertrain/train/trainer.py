@@ -312,7 +312,7 @@ class Trainer:
             self.non_finite.record(self.step, result)
             if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
                 self._log(result)
-                self._commit(self.checkpoints.finalize())  # an async save has had time to finish
+                self._commit(self.checkpoints.commit_if_done())  # an async save whose write is done; never waits
                 self._stop_if_diverged()
             if self._eval_due():
                 self.summary.eval_loss = self._evaluate()
@@ -423,7 +423,8 @@ class Trainer:
 
     # ---- checkpoint --------------------------------------------------------------------------
     def save(self, wait: bool = False, final: bool = False) -> Path | None:
-        """Checkpoint the current step (every rank calls); with async saves it commits later unless `wait`.
+        """Checkpoint the current step (every rank calls); with async saves it commits later unless `wait`: at the
+        first log step after its write is done, else at the next save or the end of the run.
 
         Never a diverged state: the NaN check comes first. `final`: the run ends with this save, which must
         succeed (CheckpointManager.save).
@@ -449,10 +450,14 @@ class Trainer:
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(folder / "tokenizer")
 
+        blocking = self.checkpoints.blocking_s
+        started = len(blocking)
         path = self.checkpoints.save(self.step, self.runner.parts, self.optimizer, state, write_extras, wait=wait,
                                      final=final)
         self.saved_step = self.step
-        self._commit(path)
+        if len(blocking) > started:  # the time the loop waited for this save (a failed one reports itself)
+            self.logger.log(self.step, {"checkpoint_blocking_s": blocking[-1]})
+        self._commit(self.checkpoints.last)  # this save if it was waited for, or the previous one it waited for
         self._timer.reset(self.step)
         return path
 
@@ -476,8 +481,6 @@ class Trainer:
     def _commit(self, path: Path | None) -> None:
         if path is not None:
             self.summary.checkpoint = path
-            blocking = self.checkpoints.blocking_s
-            self.logger.log(self.step, {"checkpoint_blocking_s": blocking[-1] if blocking else None})
 
     def _status(self, state: str, **fields) -> None:
         if self.rank0:

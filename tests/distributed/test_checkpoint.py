@@ -13,7 +13,6 @@ import pytest
 import torch
 from helpers import alive, children, final_weights, grad_norms, losses, start, train, wait_for_saves, wait_for_step
 
-from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 from clustertrain.train.metrics import read_jsonl
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
@@ -43,7 +42,22 @@ def test_retention_keeps_the_last_the_multiples_and_the_final(tmp_path):
     assert kept == [4, 8, 10, 12]
 
 
-SLOW_WRITE_S = 4.0  # each rank's shard write sleeps this long first (dcp.SlowedWriter, test-only)
+SLOW_WRITE_S = 4.0  # each rank's shard write sleeps this long first (see slow_writes)
+SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"
+# Imported by every Python process the test starts (a sitecustomize module on PYTHONPATH): it wraps DCP's writer
+# so that a rank's shard write sleeps first, as on a slow file system, while SLOW_WRITE_ENV is set.
+SLOWED_WRITER = f"""
+import os, time
+from torch.distributed.checkpoint import FileSystemWriter
+
+_write_data = FileSystemWriter.write_data
+
+def write_data(self, plan, planner):
+    time.sleep(float(os.environ.get({SLOW_WRITE_ENV!r}, "0")))
+    return _write_data(self, plan, planner)
+
+FileSystemWriter.write_data = write_data
+"""
 ASYNC = "checkpoint.async=true"
 
 
@@ -56,8 +70,12 @@ def sync_run(tmp_path_factory):
 
 
 @pytest.fixture
-def slow_writes(monkeypatch):
-    monkeypatch.setenv(ckpt.SLOW_WRITE_ENV, str(SLOW_WRITE_S))
+def slow_writes(monkeypatch, tmp_path_factory):
+    """Runs started from now on write their shards SLOW_WRITE_S late (until SLOW_WRITE_ENV is unset)."""
+    folder = tmp_path_factory.mktemp("slowed-writer")
+    (folder / "sitecustomize.py").write_text(SLOWED_WRITER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(SLOW_WRITE_ENV, str(SLOW_WRITE_S))
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -99,7 +117,7 @@ def test_sigterm_during_an_async_write_completes_it_saves_and_resumes_exactly(tm
     # the write in flight completed and was committed; the stop saved its own step; nothing half-written is left
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(
         {"step-0000002", f"step-{stopped:07d}"})
-    monkeypatch.delenv(ckpt.SLOW_WRITE_ENV)
+    monkeypatch.delenv(SLOW_WRITE_ENV)
     resumed = train(tmp_path, "train.steps=8", "checkpoint.every=2", ASYNC, nproc=2)
     assert f"resuming from {tmp_path / 'checkpoints' / f'step-{stopped:07d}'} at step {stopped}" in resumed.stdout
     assert losses(tmp_path) == losses(sync_run) and grad_norms(tmp_path) == grad_norms(sync_run)
@@ -121,7 +139,7 @@ def test_sigkill_during_an_async_write_leaves_no_partial_checkpoint_and_resumes_
     assert in_flight.is_dir() and not (in_flight / ".metadata").exists(), "the kill should land mid-write"
     assert [p.name for p in checkpoints.glob("step-*")] == ["step-0000002"]
     assert (checkpoints / "step-0000002" / "train_state.json").exists()
-    monkeypatch.delenv(ckpt.SLOW_WRITE_ENV)
+    monkeypatch.delenv(SLOW_WRITE_ENV)
     resumed = train(tmp_path, "train.steps=8", "checkpoint.every=2", ASYNC, nproc=2)
     assert f"resuming from {checkpoints / 'step-0000002'} at step 2" in resumed.stdout
     assert not list(checkpoints.glob(".tmp-*"))

@@ -1,15 +1,19 @@
-"""CheckpointManager's choices that need no real save, and StopRequests' handling of signals and the walltime."""
+"""CheckpointManager: its choices, async saves committed without waiting; StopRequests' signals and walltime."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
 
+from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.manager import CheckpointManager
 from clustertrain.config.schema import CheckpointConfig, walltime_seconds
 from clustertrain.distributed.stop import StopRequests, listen_early
@@ -32,7 +36,84 @@ def test_async_saves_by_default_on_gpus_through_pinned_memory(one_rank, tmp_path
     config = CheckpointConfig.model_validate({"async": setting})
     manager = CheckpointManager(tmp_path, config, 10, print, torch.device(device))
     assert manager.async_save is is_async
-    assert (manager._writer is not None and manager._writer.cache_staged_state_dict) is pinned
+    assert manager.pinned_staging is pinned
+
+
+@pytest.mark.filterwarnings("ignore:Ignoring pin_memory flag")  # no CUDA here to pin with
+def test_pinned_staging_is_torchs_stager_with_non_blocking_copies_else_a_caching_writer(monkeypatch):
+    from torch.distributed.checkpoint import staging
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)  # the stager wants a GPU; none here
+    stager = ckpt.pinned_staging()["async_stager"]  # this torch has DefaultStager
+    assert isinstance(stager, staging.DefaultStager)
+    assert stager._config == staging.StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=True)
+    monkeypatch.delattr(staging, "DefaultStager")  # as in torch 2.8
+    writer = ckpt.pinned_staging()["storage_writer"]
+    assert isinstance(writer, dcp.FileSystemWriter) and writer.cache_staged_state_dict
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Every shard write waits until the test sets the returned Event (at most 30 s): a slow file system."""
+    release = threading.Event()
+    write = dcp.FileSystemWriter.write_data
+
+    def held(self, plan, planner):
+        release.wait(30)
+        return write(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", held)
+    yield release
+    release.set()
+
+
+def async_manager(root):
+    return CheckpointManager(root, CheckpointConfig.model_validate({"async": True}), 10, print, torch.device("cpu"))
+
+
+def save(manager, step, model, **kwargs):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return manager.save(step, model, optimizer, {"step": step, "tokens_seen": 64 * step, "world_size": 1},
+                        lambda folder: (folder / "config.yaml").write_text("{}"), **kwargs)
+
+
+def test_a_log_step_never_waits_for_an_async_write_and_commits_it_once_done(one_rank, tmp_path, held_writes):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    saved = model.weight.detach().clone()
+    manager = async_manager(tmp_path)
+    assert save(manager, 2, model) is None  # staged and writing in the background
+    with torch.no_grad():
+        model.weight.add_(1.0)  # training goes on: the checkpoint keeps the weights of step 2
+    for _ in range(3):  # log steps while the write is held
+        start = time.perf_counter()
+        assert manager.commit_if_done() is None
+        assert time.perf_counter() - start < 1.0
+    assert not (tmp_path / "step-0000002").exists()  # nothing half-written is ever visible
+    held_writes.set()
+    deadline, path = time.monotonic() + 30, None
+    while path is None and time.monotonic() < deadline:  # the next log steps: committed once the write is done
+        path = manager.commit_if_done()
+        time.sleep(0.01)
+    assert path == tmp_path / "step-0000002" == manager.last
+    assert {"train_state.json", ".metadata", "rng-0.json", "config.yaml"} <= {p.name for p in path.iterdir()}
+    assert not list(tmp_path.glob(".tmp-*"))
+    ckpt.load_checkpoint(path, model, None)
+    assert torch.equal(model.weight, saved)
+
+
+def test_the_next_save_and_the_last_wait_for_a_write_in_flight(one_rank, tmp_path, held_writes):
+    model = nn.Linear(4, 2)
+    manager = async_manager(tmp_path)
+    assert save(manager, 2, model) is None
+    threading.Timer(0.5, held_writes.set).start()
+    start = time.perf_counter()
+    assert save(manager, 4, model) is None  # waits for step 2's write, commits it, then starts its own
+    assert time.perf_counter() - start >= 0.4
+    assert manager.last == tmp_path / "step-0000002" and (manager.last / "train_state.json").exists()
+    assert manager.finalize(final=True) == tmp_path / "step-0000004"  # the run's end waits for the last one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000002", "step-0000004"]
 
 
 def test_ctrl_c_asks_for_a_save_and_a_second_one_exits_at_once():
