@@ -5,6 +5,9 @@ independent, deterministic pipeline over its own slice of every source (see pack
 global batches depends only on the config and the seed. Data-parallel rank r serves the contiguous block
 of streams [r*K/dp, (r+1)*K/dp). The saved position is every stream's cursor, a few integers each: on
 resume, any data-parallel degree that divides K picks up its streams' cursors and continues exactly.
+
+On a GPU rank a batch's tensors are in pinned (page-locked) host memory, so that the copy to the GPU is
+asynchronous: from pageable memory CUDA copies synchronously, even when asked for `non_blocking`.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clustertrain.config.checks import rows_problem
+from clustertrain.data.pack import document_bounds
 from clustertrain.data.plan import DataPlan, spec_changes
-from clustertrain.distributed.collectives import all_gather_objects
+from clustertrain.distributed.collectives import all_gather_objects, rank_device
 from clustertrain.errors import ConfigError, DataError, UserError
 
 
@@ -43,11 +47,21 @@ class _RankStreams(IterableDataset):
             yield e
 
 
-class StreamLoader:
-    """This rank's share of each global batch, and the global position (same on every rank once gathered)."""
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in pinned host memory (torch has a pinned allocator only where it sees a GPU)."""
+    return tensor.pin_memory()
 
-    def __init__(self, plan: DataPlan, dp_rank: int, dp_size: int, num_workers: int = 0, split: str = "train"):
+
+class StreamLoader:
+    """This rank's share of each global batch, and the global position (same on every rank once gathered).
+
+    `pin_memory`: hand out batches in pinned host memory; None: when this rank's device is a GPU.
+    """
+
+    def __init__(self, plan: DataPlan, dp_rank: int, dp_size: int, num_workers: int = 0, split: str = "train",
+                 pin_memory: bool | None = None):
         self.plan, self.split, self.num_workers = plan, split, num_workers
+        self.pin_memory = rank_device().type == "cuda" if pin_memory is None else pin_memory
         self.num_streams = plan.num_streams  # one stream per row of the global batch
         problem = rows_problem(self.num_streams, dp_size)  # checked at start too; callers here get the same line
         if problem:  # before the streams exist: each keeps a reader and a window of documents
@@ -107,7 +121,9 @@ class StreamLoader:
     # ---- batches -------------------------------------------------------------------------------
     def next_batch(self) -> dict[str, Any]:
         """This rank's rows of the next global batch: tensors `input_ids`, `labels`, `position_ids`
-        ([rows, seq_len]), plus `origins` (per-row fingerprints) and `tokens_by_source` (a Counter)."""
+        ([rows, seq_len]) and `cu_seq_lens` (where the documents packed into the rows start, laid end to end:
+        `clustertrain.data.pack.document_bounds`), plus `origins` (per-row fingerprints) and `tokens_by_source`
+        (a Counter)."""
         if self._ahead is not None:
             batch, self._ahead = self._ahead, None
             return batch
@@ -129,14 +145,12 @@ class StreamLoader:
             self.states[s] = state
             self.skipped.update(skipped)
         self.batches += 1
-        stack = lambda name: torch.from_numpy(np.stack([getattr(r, name) for r in rows]))  # noqa: E731
-        return {
-            "input_ids": stack("input_ids"),
-            "labels": stack("labels"),
-            "position_ids": stack("position_ids"),
-            "origins": origins,
-            "tokens_by_source": tokens,
-        }
+        arrays = {name: np.stack([getattr(r, name) for r in rows]) for name in ("input_ids", "labels", "position_ids")}
+        arrays["cu_seq_lens"] = document_bounds(arrays["position_ids"])
+        tensors = {name: torch.from_numpy(array) for name, array in arrays.items()}
+        if self.pin_memory:
+            tensors = {name: pinned(tensor) for name, tensor in tensors.items()}
+        return {**tensors, "origins": origins, "tokens_by_source": tokens}
 
     def prefetch(self) -> None:
         """Read the next batch now, so that a bad or missing record in it fails before anything slow or anything

@@ -118,6 +118,19 @@ class Sequence:
     tokens_by_slot: Counter
 
 
+def document_bounds(position_ids: np.ndarray) -> np.ndarray:
+    """Where the documents of packed rows start, as flash-attn's varlen kernel takes them (`cu_seq_lens`): the rows
+    laid end to end, a document starting at each row's start and wherever a position does not follow the one
+    before it; int32, ending with the total length.
+
+    Found here, on the host, so that the GPU never has to report how many documents a batch holds.
+    """
+    rows, length = position_ids.shape
+    starts = np.ones((rows, length), dtype=bool)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return np.append(np.flatnonzero(starts), rows * length).astype(np.int32)
+
+
 class Packer:
     """Pretraining: documents (each ending in EOS) concatenated and cut into windows of seq_len + 1 tokens.
 

@@ -27,7 +27,7 @@ class Mesh:
     dp_shard: int
     tp: int
     device_mesh: DeviceMesh  # DIMS
-    flat_mesh: DeviceMesh  # (pp, dp, tp): the data-parallel ranks as one dimension
+    dp_mesh: DeviceMesh  # the data-parallel ranks as one dimension
 
     @property
     def dp_size(self) -> int:
@@ -36,12 +36,12 @@ class Mesh:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks: ranks that differ only in tp or pp share data."""
-        return self.flat_mesh.get_local_rank("dp")
+        return self.dp_mesh.get_local_rank()
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """The process group of this rank's data-parallel peers."""
-        return self.flat_mesh.get_group("dp")
+        return self.dp_mesh.get_group()
 
     @property
     def pp_rank(self) -> int:
@@ -78,8 +78,16 @@ def degrees(parallel: ParallelConfig, info: RankInfo) -> tuple[int, int, int, in
 
 
 def build_mesh(parallel: ParallelConfig, info: RankInfo, device_type: str) -> Mesh:
-    """Build the named mesh of this run (collective: every rank calls it)."""
+    """Build the named mesh of this run (collective: every rank calls it).
+
+    Each group of ranks gets one process group (on GPUs, one NCCL communicator, with its memory): the
+    data-parallel group is the dp_shard or dp_replicate group when the other is 1, and a group of its own
+    only when both are used.
+    """
     pp, replicate, shard, tp = degrees(parallel, info)
     device_mesh = init_device_mesh(device_type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
-    flat_mesh = init_device_mesh(device_type, (pp, replicate * shard, tp), mesh_dim_names=("pp", "dp", "tp"))
-    return Mesh(pp, replicate, shard, tp, device_mesh, flat_mesh)
+    if replicate > 1 and shard > 1:
+        dp_mesh = device_mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan's way; no public API yet
+    else:
+        dp_mesh = device_mesh["dp_replicate" if replicate > 1 else "dp_shard"]
+    return Mesh(pp, replicate, shard, tp, device_mesh, dp_mesh)

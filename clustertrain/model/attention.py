@@ -17,12 +17,18 @@ How transformers 5 keeps packed documents apart (`masking_utils.create_causal_ma
 - flash_attention_2: no mask; the kernel takes the documents as cumulative lengths (`flash_attn_varlen_func`).
   transformers derives them from position_ids only for a single row, so with several rows it would attend
   across documents: `keep_packed_documents_apart` passes the lengths of every row's documents itself.
+
+How many documents a batch holds is a number the host needs (it sizes the lengths), and finding it on the
+GPU would make the host wait for the GPU at every forward. The loader finds them on the host
+(`clustertrain.data.pack.document_bounds`) and the trainer hands them over with the batch (`use_documents`).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -87,20 +93,73 @@ def keep_packed_documents_apart(model: nn.Module) -> None:
     base.register_forward_pre_hook(_add_document_lengths, with_kwargs=True)
 
 
+@dataclass
+class _Documents:
+    """A batch's document starts (`cu_seq_lens` over its rows laid end to end), found by the loader."""
+
+    position_ids: torch.Tensor  # the batch's, as the model gets them: a micro-batch is a slice of its rows
+    on_host: np.ndarray
+    on_device: torch.Tensor
+
+
+_batch: _Documents | None = None
+
+
+def use_documents(position_ids: torch.Tensor, cu_seq_lens: torch.Tensor, on_device: torch.Tensor) -> None:
+    """Hand flash-attn the documents of the batch whose `position_ids` (on the device) the next forwards get, or
+    slices of whose rows (micro-batches) they get.
+
+    Args:
+        position_ids: the batch's position ids, on the device.
+        cu_seq_lens: the batch's document starts on the host, as the loader found them
+            (`clustertrain.data.pack.document_bounds`).
+        on_device: the same, copied to the device.
+    """
+    global _batch
+    _batch = _Documents(position_ids, cu_seq_lens.numpy(), on_device)
+
+
 def document_lengths(position_ids: torch.Tensor) -> dict[str, torch.Tensor | int]:
     """flash-attn varlen arguments for rows of packed documents: a document starts at each row's start and
     wherever a position does not follow the one before it (as `masking_utils.find_packed_sequence_indices`).
 
     The cumulative lengths index the rows laid end to end. The row length serves as the longest document:
-    flash-attn only needs an upper bound, and this one costs no read from the GPU (finding the starts does
-    cost one per forward, as transformers' own derivation for a single row does).
+    flash-attn only needs an upper bound, and this one costs no read from the GPU. The starts come from the
+    loader when `position_ids` are (rows of) the batch given to `use_documents`; otherwise they are found on the
+    device, which costs a read from the GPU per forward, as transformers' own derivation for a single row does.
     """
     rows, length = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    ends = torch.tensor([rows * length], device=position_ids.device)
-    cumulative = torch.cat([starts.flatten().nonzero().flatten(), ends]).to(torch.int32)
+    cumulative = _from_the_loader(position_ids)
+    if cumulative is None:
+        starts = torch.ones_like(position_ids, dtype=torch.bool)
+        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        ends = torch.tensor([rows * length], device=position_ids.device)
+        cumulative = torch.cat([starts.flatten().nonzero().flatten(), ends]).to(torch.int32)
     return {"cu_seq_lens_q": cumulative, "cu_seq_lens_k": cumulative, "max_length_q": length, "max_length_k": length}
+
+
+def _from_the_loader(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The document starts of `position_ids` from the batch given to `use_documents`, if they are rows of it:
+    the rows' share of its starts, from where the rows begin in its memory (a view shares it)."""
+    batch = _batch
+    if batch is None:
+        return None
+    whole = batch.position_ids
+    row_bytes = whole.stride(0) * whole.element_size()
+    offset = position_ids.data_ptr() - whole.data_ptr()
+    if (position_ids.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+            or position_ids.dtype != whole.dtype or position_ids.stride() != whole.stride()
+            or position_ids.shape[1] != whole.shape[1] or offset % row_bytes):
+        return None
+    length = whole.shape[1]
+    first = offset // row_bytes
+    last = first + position_ids.shape[0]
+    if not 0 <= first < last <= whole.shape[0]:
+        return None
+    # every row starts a document, so the rows' starts run from the one at the first row's start to the last's end
+    i, j = np.searchsorted(batch.on_host, [first * length, last * length])
+    cumulative = batch.on_device[i : j + 1]
+    return cumulative - first * length if first else cumulative
 
 
 def _add_document_lengths(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -99,8 +99,9 @@ class StepProfiler:
     def _start(self, step: int) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        if self.cuda:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES, device=self.device)
+        if self.cuda:  # Python stacks: C++ ones (torch's default) are unwound at every allocation, slowing each step
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_HISTORY_ENTRIES,
+                                                     device=self.device)
         self._profiler = profile(activities=activities, record_shapes=True, profile_memory=True,
                                  with_stack=self.with_stack)
         self._profiler.start()

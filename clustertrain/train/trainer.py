@@ -33,11 +33,11 @@ from clustertrain.distributed.collectives import all_reduce, reduce_values
 from clustertrain.distributed.env import RankInfo, detect_launcher
 from clustertrain.distributed.failures import PeerFailed, RankFailure, first_failure, let_peers_report
 from clustertrain.distributed.init import close_distributed, init_distributed
-from clustertrain.distributed.rank0 import rank0_first
 from clustertrain.distributed.mesh import build_mesh
+from clustertrain.distributed.rank0 import rank0_first
 from clustertrain.distributed.stop import Preempted, StopRequests
 from clustertrain.errors import CheckpointError
-from clustertrain.model.attention import resolve_attention
+from clustertrain.model.attention import resolve_attention, use_documents
 from clustertrain.model.estimate import (check_memory_floor, count_params, model_flops_per_token, peak_flops,
                                          training_memory_floor)
 from clustertrain.model.kernels import apply_kernels
@@ -310,7 +310,8 @@ class Trainer:
             self.step += 1
             self.tokens_seen += self.tokens_per_step
             self.non_finite.record(self.step, result)
-            if self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step):
+            log_step = self.step % cfg.metrics.log_every == 0 or self.step in (1, self.stop_step)
+            if log_step:
                 self._log(result)
                 self._commit(self.checkpoints.commit_if_done())  # an async save whose write is done; never waits
                 self._stop_if_diverged()
@@ -322,7 +323,7 @@ class Trainer:
                 self.save()
             if self.profiler.step_done(self.step):
                 self._timer.reset(self.step)  # writing the trace is not training throughput
-            reason = self.stop.agreed()
+            reason = self.stop.agreed(now=log_step)  # between log steps, only every few seconds
             if reason:
                 self._save_last()
                 self._status("preempted", reason=reason)
@@ -331,7 +332,9 @@ class Trainer:
                 raise Preempted(reason, self.step, self.summary.checkpoint)
 
     def _next_batch(self, loader: StreamLoader) -> dict[str, torch.Tensor]:
-        """The next batch on the device; position ids only when packed documents must not see each other."""
+        """The next batch on the device (copied from pinned memory on a GPU: the host does not wait); position ids
+        only when packed documents must not see each other, and then flash-attn gets the documents' lengths as
+        the loader found them (no read from the GPU)."""
         batch = loader.next_batch()
         if loader is self.loader:
             self.mixture.update(batch["tokens_by_source"])
@@ -340,7 +343,11 @@ class Trainer:
         keys = ["input_ids", "labels"]
         if self.config.data.doc_masking or self.config.data.mode == "sft":
             keys.append("position_ids")
-        return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+        moved = {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+        if "position_ids" in moved and self.attention == "flash_attention_2":
+            use_documents(moved["position_ids"], batch["cu_seq_lens"],
+                          batch["cu_seq_lens"].to(self.device, non_blocking=True))
+        return moved
 
     def _eval_due(self) -> bool:
         every = self.config.train.eval_every

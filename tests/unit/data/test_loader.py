@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+import clustertrain.data.loader as loader_module
 from clustertrain.config.schema import DataConfig
 from clustertrain.data.loader import StreamLoader
-from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.data.pack import IGNORE_INDEX, document_bounds
 from clustertrain.data.plan import DataPlan, spec_changes
 from clustertrain.data.tokenize import load_tokenizer
+from clustertrain.distributed.collectives import set_rank_device
 from clustertrain.errors import ConfigError, DataError
 
 G = 12  # global batch: divisible by 1, 2, 3, 4
@@ -222,3 +224,50 @@ def test_eval_sources_are_the_held_out_set_and_the_sources_are_not_split(corpus)
     assert "data.eval_fraction (0 with data.eval_sources)" in plan.spec()
     assert spec_changes(plan.spec(), make_plan(corpus, eval_fraction=0.1).spec()) == [
         "data.eval_fraction (0 with data.eval_sources): 0.0 -> 0.1"]
+
+
+def test_document_bounds_start_at_every_row_and_every_restart():
+    got = document_bounds(np.array([[0, 1, 2, 0, 1], [7, 8, 0, 1, 2]]))
+    assert got.tolist() == [0, 3, 5, 7, 10] and got.dtype == np.int32
+
+
+def test_a_batch_carries_its_documents_found_on_the_host(corpus):
+    batch = StreamLoader(make_plan(corpus, seq_len=64), 0, 1).next_batch()
+    rows, length = batch["position_ids"].shape
+    # a document starts at position 0, or at a row's start (the rest of one begun in the row before), rows end to end
+    starts = [r * length + i for r, row in enumerate(batch["position_ids"].tolist()) for i, p in enumerate(row)
+              if p == 0 or i == 0]
+    assert batch["cu_seq_lens"].tolist() == [*starts, rows * length]
+    assert len(starts) > rows, "some row holds several documents"
+
+
+@pytest.fixture
+def pinned_allocator(monkeypatch):
+    """CUDA's pinned host allocator stood in for (a CPU-only torch has none): records what it was handed."""
+    handed = []
+    monkeypatch.setattr(loader_module, "pinned", lambda tensor: handed.append(tensor) or tensor)
+    return handed
+
+
+def test_a_gpu_rank_gets_every_tensor_of_its_batches_in_pinned_memory(corpus, pinned_allocator):
+    plan = make_plan(corpus)
+    set_rank_device(torch.device("cuda", 0))  # only a device object: nothing is allocated there
+    try:
+        loader = StreamLoader(plan, 0, 1)
+    finally:
+        set_rank_device(torch.device("cpu"))
+    loader.prefetch()  # a batch read ahead is pinned too
+    batches = [loader.next_batch(), loader.next_batch()]
+    tensors = [v for batch in batches for v in batch.values() if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 8 and all(any(t is p for p in pinned_allocator) for t in tensors)
+    pinned_allocator.clear()
+    StreamLoader(plan, 0, 1).next_batch()  # a CPU rank: its batches are not copied anywhere
+    assert pinned_allocator == []
+
+
+def test_pinning_needs_a_gpu_torch_can_see():
+    if torch.cuda.is_available():
+        assert loader_module.pinned(torch.ones(2)).is_pinned()
+    else:  # why the tests stand the allocator in
+        with pytest.raises(RuntimeError):
+            loader_module.pinned(torch.ones(2))

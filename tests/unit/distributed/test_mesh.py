@@ -38,3 +38,41 @@ def test_degrees_that_do_not_fit_name_what_would(settings, world, message):
     with pytest.raises(ConfigError) as error:
         degrees(ParallelConfig(**settings), ranks(world))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.fixture
+def world_of_8():
+    """Rank 0 of 8 on torch's fake backend: groups are made and named as for real, nothing is sent."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("settings, dp_ranks", [
+    (dict(strategy="zero3", tp=2), [0, 2, 4, 6]),  # the data-parallel group is the shard group
+    (dict(strategy="ddp", tp=2), [0, 2, 4, 6]),  # ... the replicate group
+    (dict(strategy="hybrid_zero3", hybrid_shard_size=2, tp=2), [0, 2, 4, 6]),  # both: a group of its own
+    (dict(strategy="zero3", pp=2), [0, 1, 2, 3]),
+])
+def test_each_group_of_ranks_gets_one_process_group(world_of_8, settings, dp_ranks):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    from clustertrain.distributed.mesh import DIMS, build_mesh
+
+    before = set(_world.pg_map)
+    mesh = build_mesh(ParallelConfig(**settings), ranks(8), "cpu")
+    made = set(_world.pg_map) - before
+    shared = [tuple(dist.get_process_group_ranks(g)) for g in made if g.size() > 1]
+    assert len(set(shared)) == len(shared), f"two process groups of the same ranks: {sorted(shared)}"
+    assert dist.get_process_group_ranks(mesh.dp_group) == dp_ranks
+    assert (mesh.dp_size, mesh.dp_rank) == (len(dp_ranks), 0)
+    both = mesh.dp_replicate > 1 and mesh.dp_shard > 1
+    if not both:  # the very group FSDP or DDP reduces over: one communicator, not a copy of it
+        one = "dp_replicate" if mesh.dp_replicate > 1 else "dp_shard"
+        assert mesh.dp_group is mesh.device_mesh.get_group(one)
+    # one per dimension of the mesh (one of all 8 ranks is the world's own), and the data-parallel one if both are used
+    assert len(made) == sum(mesh.device_mesh.size(dim) != 8 for dim in range(len(DIMS))) + both

@@ -2,7 +2,7 @@
 
 flex_attention runs for real on CPU (forward only: torch has no FlexAttention backward on CPU). flash-attn
 cannot run here, so its varlen kernel is stood in for by the same computation in plain PyTorch, fed what
-transformers would hand flash-attn.
+transformers would hand flash-attn (tests/host_syncs.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from host_syncs import HostSyncs, flash_varlen_stand_in
 from torch.nn.attention.flex_attention import BlockMask
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -19,7 +20,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import clustertrain.model.attention as attention
 from clustertrain.errors import ConfigError
-from clustertrain.model.attention import document_lengths, keep_packed_documents_apart, resolve_attention
+from clustertrain.data.pack import document_bounds
+from clustertrain.model.attention import document_lengths, keep_packed_documents_apart, resolve_attention, use_documents
 from clustertrain.model.load import build_meta_model
 from clustertrain.train.loss import token_loss_sum
 
@@ -179,27 +181,9 @@ def test_flex_attention_masks_packed_documents_as_sdpa_does_without_a_dense_mask
         assert token_loss_sum(flex, input_ids, labels, PACKED) == pytest.approx(expected.sum().item(), rel=1e-5)
 
 
-def reference_flash(calls: list):
-    """flash-attn's kernel in plain PyTorch, on what transformers hands it: causal attention within each span
-    of the varlen lengths (`cu_seq_lens_q`, over the rows laid end to end), else within each row."""
-
-    def attend(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, **kwargs):
-        calls.append((attention_mask, cu_seq_lens_q))
-        rows, heads, length, dim = query.shape
-        bounds = cu_seq_lens_q if cu_seq_lens_q is not None else torch.arange(0, rows * length + 1, length)
-        q, k, v = (x.transpose(1, 2).reshape(rows * length, x.shape[1], dim) for x in (query, key, value))
-        spans = zip(bounds[:-1].tolist(), bounds[1:].tolist())
-        out = torch.cat([F.scaled_dot_product_attention(
-            q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1), is_causal=True, scale=scaling,
-            enable_gqa=True).transpose(0, 1) for a, b in spans])
-        return out.reshape(rows, length, heads, dim), None
-
-    return attend
-
-
 def test_flash_attention_keeps_the_documents_of_several_rows_apart(sdpa_model, input_ids, monkeypatch):
     calls = []
-    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", reference_flash(calls))
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", flash_varlen_stand_in(calls))
     expected = token_losses(sdpa_model, input_ids, PACKED)
 
     transformers_alone = with_kernel(sdpa_model, "flash_attention_2")
@@ -223,3 +207,47 @@ def test_document_lengths_start_at_every_row_and_every_restart():
     assert got["cu_seq_lens_q"].tolist() == [0, 3, 5, 7, 10]
     assert got["cu_seq_lens_q"].dtype == torch.int32 and got["cu_seq_lens_k"] is got["cu_seq_lens_q"]
     assert got["max_length_q"] == got["max_length_k"] == 5
+
+
+# transformers' own check, at every forward given position ids, whether they restart (a read of one flag from the
+# device); clustertrain cannot hand it an answer. Not counted here, so that what is counted is clustertrain's.
+TRANSFORMERS_PROBE = "masking_utils.py:find_packed_sequence_indices"
+
+
+@pytest.fixture
+def flash_model(sdpa_model, monkeypatch):
+    calls = []
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", flash_varlen_stand_in(calls))
+    monkeypatch.setattr(attention, "_batch", None)
+    flash = with_kernel(sdpa_model, "flash_attention_2")
+    keep_packed_documents_apart(flash)
+    return flash, calls
+
+
+def test_flash_attention_takes_the_loaders_document_lengths_for_any_rows_of_the_batch(flash_model, sdpa_model,
+                                                                                    input_ids):
+    flash, calls = flash_model
+    bounds = torch.from_numpy(document_bounds(PACKED.numpy()))  # as the loader hands them out
+    on_device = bounds.clone()  # as the trainer copies them to the device
+    use_documents(PACKED, bounds, on_device)
+    expected = token_losses(sdpa_model, input_ids, PACKED)
+    for rows in (slice(0, 2), slice(0, 1), slice(1, 2)):  # the batch, and each of its micro-batches of one row
+        calls.clear()
+        with HostSyncs(allow=(TRANSFORMERS_PROBE,)) as syncs:
+            got = token_losses(flash, input_ids[rows], PACKED[rows])
+        assert syncs.found == [], syncs.report()
+        torch.testing.assert_close(got, expected.view(2, -1)[rows].flatten(), rtol=1e-5, atol=1e-5)
+        lengths = calls[0][1]
+        assert lengths.tolist() == document_bounds(PACKED[rows].numpy()).tolist()
+        if rows.start == 0:  # the batch's own lengths on the device, not a copy
+            assert lengths.untyped_storage().data_ptr() == on_device.untyped_storage().data_ptr()
+
+
+def test_flash_attention_finds_the_lengths_itself_for_position_ids_of_another_batch(flash_model):
+    flash, calls = flash_model
+    use_documents(PACKED, torch.from_numpy(document_bounds(PACKED.numpy())), torch.zeros(1, dtype=torch.int32))
+    other = PACKED.flip(0).contiguous()  # not rows of the batch given
+    with HostSyncs() as syncs:
+        token_losses(flash, torch.zeros_like(other), other)
+    assert calls[0][1].tolist() == document_bounds(other.numpy()).tolist()
+    assert "aten.nonzero.default" in [name for name, _ in syncs.found], "found on the device, at a host sync's cost"

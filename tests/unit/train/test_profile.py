@@ -64,3 +64,24 @@ def test_a_resume_inside_the_range_traces_the_rest(tmp_path):
     profiler = StepProfiler((2, 4), 10, tmp_path, torch.device("cpu"), rank=0, log=lambda line: None)
     fake_steps(profiler, range(4, 7))
     assert step_markers(tmp_path / "rank0-steps4-4.pt.trace.json") == {"ProfilerStep#4"}
+
+
+def test_the_cuda_memory_history_records_python_stacks_only(tmp_path, monkeypatch):
+    """C++ stacks, torch's default, are unwound at every allocation, which slows the profiled steps on a GPU."""
+    import clustertrain.train.profile as profile_module
+
+    recorded = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *args, **kwargs: recorded.append(kwargs))
+    monkeypatch.setattr(profile_module, "profile", FakeProfiler)  # torch's profiler of a GPU, stood in for
+    profiler = StepProfiler((1, 2), 5, tmp_path, torch.device("cuda", 0), rank=0)
+    profiler.step_started(1)
+    assert len(recorded) == 1 and recorded[0]["stacks"] == "python", recorded
+    assert recorded[0]["device"] == torch.device("cuda", 0)
+
+
+class FakeProfiler:
+    def __init__(self, **kwargs):
+        pass
+
+    def start(self):
+        pass
