@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-oldest bench clean
+.PHONY: install demo test test-fast test-oldest test-gpu wheelhouse bench clean
 
 install: $(STAMP)
 
@@ -46,6 +46,63 @@ test-oldest: install
 	rm -rf $(OLDEST)/compat && $(PY) tests/compat/export_compat.py write $(OLDEST)/compat
 	$(OLDEST)/bin/python -m pip install --quiet --no-deps --upgrade --target $(OLDEST)/transformers4 $(TRANSFORMERS4)
 	PYTHONPATH=$(OLDEST)/transformers4 $(OLDEST)/bin/python tests/compat/export_compat.py check $(OLDEST)/compat
+
+# tests/gpu on this node's GPU in one command (under 8 minutes on one H100; `bench/gpu.py --steps 5` included);
+# without a GPU every test is skipped, with one line saying why. The venv sees the node's torch and never installs
+# one. With a package index this is `make install`; without one (compute nodes often have torch and no index),
+# clustertrain and its dependencies come from wheelhouse/, made by `make wheelhouse` where there is an index.
+WHEELHOUSE := wheelhouse
+GPU_WORKERS ?= 4
+NO_WHEELHOUSE = error: no $(WHEELHOUSE)/ here: run 'make wheelhouse PYVER=$$($(PY) -c 'import sys; \
+	print("%d.%d" % sys.version_info[:2])')' where there is a package index, and copy $(WHEELHOUSE)/ here
+NO_TORCH = error: $(PY) sees no torch: install your cluster's build (README: 'Which torch'); make test-gpu never \
+	installs one
+GPU_PYTEST = $$($(PY) -c "import torch; print('-n $(GPU_WORKERS) --dist loadfile --durations=15' \
+	if torch.cuda.is_available() else '')")
+
+test-gpu:
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then :; \
+	elif $(PY) -m pip index versions pip --retries 0 --timeout 10 >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory install; \
+	else \
+		echo "no package index is reachable: installing from $(WHEELHOUSE)/ (--no-index), with the torch already here"; \
+		test -d $(WHEELHOUSE) || { echo "$(NO_WHEELHOUSE)" >&2; exit 2; }; \
+		$(PY) -c "import torch" 2>/dev/null || { echo "$(NO_TORCH)" >&2; exit 2; }; \
+		$(PY) -m clustertrain.torch_check && \
+		$(PY) -m pip install --quiet --no-index --find-links $(WHEELHOUSE) -e ".[dev]" && touch $(STAMP); \
+	fi
+	$(PY) -m pytest -q -rs -p no:cacheprovider $(GPU_PYTEST) tests/gpu
+
+# `make wheelhouse [PYVER=3.12] [TORCH_VERSION=2.9.1]`: clustertrain's dependencies and dev tools, torch aside, as
+# wheels for Python PYVER (default: this python3's) on x86-64 Linux, into wheelhouse/. While pip resolves, a
+# metadata-only stand-in for the node's torch (TORCH_VERSION, default the oldest supported) satisfies peft's and
+# accelerate's requirement, so neither torch nor its CUDA wheels are downloaded.
+PYVER ?= $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+TORCH_VERSION ?= $(OLDEST_TORCH)
+WHEEL_TARGET = --only-binary=:all: --python-version $(PYVER) \
+	$(addprefix --platform ,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64)
+RESOLVE := $(WHEELHOUSE)/.resolve
+STAND_IN := torch-$(TORCH_VERSION)+node
+
+wheelhouse:
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	rm -rf $(WHEELHOUSE) && mkdir -p $(RESOLVE)
+	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(RESOLVE) .
+	$(PY) -c "import sys, zipfile; info = '$(STAND_IN).dist-info/'; z = zipfile.ZipFile(sys.argv[1], 'w'); \
+		z.writestr(info + 'METADATA', 'Metadata-Version: 2.1\nName: torch\nVersion: $(TORCH_VERSION)+node\n'); \
+		z.writestr(info + 'WHEEL', 'Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n'); \
+		z.writestr(info + 'RECORD', ''); z.close()" $(RESOLVE)/$(STAND_IN)-py3-none-any.whl
+	$(PY) -m pip install --quiet --dry-run --ignore-installed $(WHEEL_TARGET) --target $(RESOLVE)/target \
+		--find-links $(RESOLVE) --report $(RESOLVE)/report.json "torch==$(TORCH_VERSION)+node" \
+		"$$(ls $(RESOLVE)/clustertrain-*.whl)[dev]" "setuptools>=68"
+	$(PY) -c "import json, sys; print('\n'.join('%s==%s' % (p['metadata']['name'], p['metadata']['version']) \
+		for p in json.load(open(sys.argv[1]))['install'] if p['metadata']['name'] not in ('torch', 'clustertrain')))" \
+		$(RESOLVE)/report.json > $(RESOLVE)/pins.txt
+	$(PY) -m pip download --quiet --no-deps $(WHEEL_TARGET) --dest $(WHEELHOUSE) -r $(RESOLVE)/pins.txt
+	rm -rf $(RESOLVE)
+	@echo "$(WHEELHOUSE)/: $$(ls $(WHEELHOUSE) | wc -l) wheels ($$(du -sh $(WHEELHOUSE) | cut -f1)) for Python $(PYVER);" \
+		"on a node without a package index, make test-gpu installs from it"
 
 bench: install
 	$(PY) bench/throughput.py

@@ -34,7 +34,7 @@ end unless `--keep`. Shared disks are noisy: read the paired per-rep ratios, not
    After each async round the committed folders are checked (train_state.json and .metadata present, the
    same .distcp byte count as a sync save, no `.tmp-*` left over) and the checkpoint threads counted.
 Metrics are logged only at step 1 (`metrics.log_every` is set very high): a real run also calls
-`finalize()` at every log step, which is not measured here.
+`commit_if_done()` at every log step, which commits a finished write and never waits for one.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class BenchManager(CheckpointManager):
     def due(self, step: int) -> bool:
         return bool(self.config.every) and (step - self.round_start) % self.config.every == 0
 
-    def save(self, step, model, optimizer, train_state, write_extras, *, wait=False):
+    def save(self, step, model, optimizer, train_state, write_extras, *, wait=False, final=False):
         start = time.perf_counter()
         if self._pending is not None:  # what CheckpointManager.save does first, timed on its own
             CheckpointManager.finalize(self)
@@ -117,7 +117,7 @@ class BenchManager(CheckpointManager):
         start = time.perf_counter()
         self.in_save = True
         try:
-            path = super().save(step, model, optimizer, train_state, write_extras, wait=wait)
+            path = super().save(step, model, optimizer, train_state, write_extras, wait=wait, final=final)
         finally:
             self.in_save = False
         if self._pending is not None and self._pending[0] is not None:  # async write in flight
@@ -126,10 +126,10 @@ class BenchManager(CheckpointManager):
             self.write_s.append(time.perf_counter() - start)
         return path
 
-    def finalize(self):
+    def finalize(self, final=False):
         pending = self._pending is not None
         start = time.perf_counter()
-        path = super().finalize()
+        path = super().finalize(final)
         if pending and not self.in_save:
             self.drain_s.append(time.perf_counter() - start)
         return path
@@ -195,7 +195,7 @@ def state_bytes(trainer: Trainer) -> tuple[int, int]:
     """Bytes of the model's and the optimizer's tensors."""
     model = sum(t.numel() * t.element_size() for t in trainer.runner.model.state_dict().values() if torch.is_tensor(t))
     optim = 0
-    for per_param in trainer.optimizer.state.values():
+    for per_param in (state for o in trainer.optimizer.optimizers for state in o.state.values()):
         optim += sum(t.numel() * t.element_size() for t in per_param.values() if torch.is_tensor(t))
     return model, optim
 

@@ -5,7 +5,7 @@ clustertrain's trainer against a hand-written PyTorch loop on issue 12's two GPU
     .venv/bin/python bench/gpu.py                          # both workloads, eager, 20 steps, median after 10
     .venv/bin/python bench/gpu.py --workload pretrain --compile --steps 30
     .venv/bin/python bench/gpu.py --tiny --steps 3         # the same code with tiny shapes, on CPU, in seconds
-    .venv/bin/python bench/gpu.py --set parallel.strategy=ddp --workload lora   # vary clustertrain's side
+    .venv/bin/python bench/gpu.py --set model.kernels=none --workload lora    # vary clustertrain's side
 
 Workloads (bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and not what is measured):
 
@@ -14,39 +14,52 @@ Workloads (bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and not what is
 * lora: the Llama-3.2-3B shape (hidden 3072, 28 layers, 24 heads, 8 KV heads, FFN 8192, vocab 128256, tied),
   bf16 base, LoRA r=64 (alpha 128) on every linear layer, seq 1024, batch 4.
 
-Runners, each in its own process (a clean process group and a clean memory peak), on random tokens:
+Runners, each in its own process (a clean memory peak) with a time limit (--timeout), on random tokens. Both
+sides do the same work the same way: one process, so no FSDP or DDP wrapper (clustertrain applies none to one
+data-parallel rank, parallel/apply.py), fp32 trainable weights under bf16 autocast, the global gradient norm
+clipped to optim.grad_clip, fused AdamW, sdpa attention, and a fresh batch drawn on the host every step and
+copied to the GPU. Each prints one `ran:` line saying what it runs as it starts (wrapper, precision, loss,
+kernels, compile, clipping, data path).
 
-* clustertrain: `Trainer` on `load_config(None, overrides)` with `data.mode=random`, `parallel.strategy=zero3`
-  (FSDP2, bf16 params, fp32 reduce), its default loss, optimizer and kernels; `--compile` sets
-  `parallel.compile`. tokens/s, MFU and memory are the trainer's own, read back from its metrics.jsonl
-  (`metrics.log_every=1`). The run is one step longer than the benchmark, so no final checkpoint is written.
-* reference: `AutoModelForCausalLM.from_config` with the same HF config, fused `torch.optim.AdamW`, plain
-  `F.cross_entropy` on fp32 logits. pretrain: FSDP2 `fully_shard` per block and root with
-  `MixedPrecisionPolicy(bf16 params, fp32 reduce)`, fp32 master weights. lora: `peft.get_peft_model` on a bf16
-  model (adapters fp32) under `torch.autocast(bf16)`, no FSDP, as HF Trainer + peft runs on one GPU.
-  `--compile` compiles every block and the loss.
+* clustertrain: `Trainer` on `load_config(None, overrides)` with `data.mode=random` and every other setting at
+  its default (loss: chunked for this vocabulary, Liger where installed); `--compile` sets `parallel.compile`.
+  tokens/s, MFU and memory are the trainer's own, read back from its metrics.jsonl (`metrics.log_every=1`). The
+  run is one step longer than the benchmark, so no final checkpoint is written.
+* reference-full: `AutoModelForCausalLM.from_config` with the same HF config (lora: `peft.get_peft_model` on the
+  bf16 model, adapters fp32), `F.cross_entropy` on the full fp32 logits [batch, seq, vocab].
+* reference-chunked: the same loop with the output layer and loss `train.loss_chunk_tokens` tokens at a time
+  (`clustertrain.train.loss.chunked_loss_sum`): what the full logits cost, beside them.
+  `--compile` compiles every block and the loss on both reference rows.
 
 Reported per workload: median tokens/s over the steps after --warmup, MFU (`clustertrain.model.estimate`:
 6N + 12LHQT FLOPs per token over the device's peak; a CPU's peak is measured), peak memory
-(`torch.cuda.max_memory_allocated`, or the process's peak RSS on CPU) and clustertrain / reference.
+(`torch.cuda.max_memory_allocated`, or the process's peak RSS on CPU) and clustertrain / each reference row.
+Without a GPU the full shapes refuse to start (exit 2); --tiny runs anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-RUNNERS = ("clustertrain", "reference")
+RUNNERS = ("clustertrain", "reference-full", "reference-chunked")
+RAN = "ran: "  # a child's line that says what it runs; the parent shows these as they come
+NO_GPU = ("bench/gpu.py: the full shapes need a GPU and torch sees none; --tiny runs the same code on this CPU in "
+          "seconds")
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,8 @@ def shape(workload: Workload, tiny: bool) -> Workload:
 
 
 def overrides(w: Workload, dtype: str, steps: int, compile: bool, run_dir: str, extra: list[str]) -> list[str]:
-    """The clustertrain config of workload `w`; the reference reads its model shape from the same config."""
+    """The clustertrain config of workload `w`; the reference reads its model shape, dtype, optimizer, clipping
+    and loss chunk from the same config."""
     model = {**w.model, "max_position_embeddings": w.seq_len}
     return [
         "model.arch=llama",
@@ -97,22 +111,54 @@ def overrides(w: Workload, dtype: str, steps: int, compile: bool, run_dir: str, 
         f"train.steps={steps + 1}",  # one more than run: the trainer's final checkpoint never comes
         "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0", f"train.run_dir={run_dir}",
         "train.resume=none", "metrics.log_every=1", "metrics.progress=none", "metrics.tensorboard=false",
-        "parallel.strategy=zero3", f"parallel.param_dtype={dtype}", "parallel.reduce_dtype=float32",
-        f"parallel.compile={str(compile).lower()}",
+        f"parallel.param_dtype={dtype}", f"parallel.compile={str(compile).lower()}",
         *([f"lora.rank={w.lora_rank}", f"lora.alpha={2 * w.lora_rank}", "lora.dropout=0"] if w.lora_rank else []),
         *extra,
     ]
 
 
 # ---- one runner, in its own process ----------------------------------------------------------------------
+def precision(model, autocast) -> str:
+    """The dtypes a model trains in, in words: the autocast dtype (None: off) and its weights' dtypes."""
+    import torch
+
+    short = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    trainable = {short.get(p.dtype, str(p.dtype)) for p in model.parameters() if p.requires_grad}
+    frozen = {short.get(p.dtype, str(p.dtype)) for p in model.parameters() if not p.requires_grad}
+    text = f"{short[autocast]} autocast" if autocast is not None else "no autocast"
+    text += f", trainable weights {'/'.join(sorted(trainable))}"
+    return text + (f", frozen {'/'.join(sorted(frozen))}" if frozen else "")
+
+
+def say_what_runs(runner: str, **parts: str) -> None:
+    print(RAN + runner + ": " + ", ".join(f"{k} {v}" for k, v in parts.items()), flush=True)
+
+
 def run_clustertrain(cfg, steps: int) -> dict:
     """The trainer's real step path; its metrics.jsonl has tokens/s, MFU and memory for every step."""
+    from clustertrain.parallel.apply import data_parallel_wrapper
     from clustertrain.train.metrics import read_jsonl
     from clustertrain.train.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
         trainer.build()
+        model, p = trainer.runner.parts[0], cfg.parallel
+        wrapper = data_parallel_wrapper(p, trainer.mesh) or "none"
+        liger = any("Liger" in getattr(m.forward, "__qualname__", "") for m in model.modules())
+        say_what_runs(
+            "clustertrain", wrapper=f"{wrapper} ({trainer.mesh.dp_size} data-parallel rank)",
+            precision=(f"FSDP2 {p.param_dtype} params, {p.reduce_dtype} reduce" if wrapper == "fsdp"
+                       else precision(model, getattr(trainer.runner, "autocast_dtype", None))),
+            loss=trainer.loss_kind + (f" ({cfg.train.loss_chunk_tokens} tokens a chunk)"
+                                      if trainer.loss_kind == "chunked" else ""),
+            kernels="liger" if liger else "pytorch", attention=trainer.attention,
+            compile="blocks and loss" if p.compile else "off",
+            clipping=f"global norm {cfg.optim.grad_clip:g}" if cfg.optim.grad_clip else "off",
+            optimizer=f"AdamW {'fused' if trainer.optimizer.param_groups[0].get('fused') else 'foreach'}",
+            data="the loader's host batch each step, "
+                 + ("pinned, non_blocking copy" if getattr(trainer.loader, "pin_memory", False) else "on CPU"),
+        )
         trainer.start(None)
         trainer.train_steps(steps)
         trainer.logger.close()
@@ -129,85 +175,93 @@ def run_clustertrain(cfg, steps: int) -> dict:
         trainer.close()
 
 
-def run_reference(cfg, steps: int, compile: bool) -> dict:
-    """HF model + (FSDP2 | peft) + fused AdamW + plain cross entropy, timed step by step."""
+def run_reference(cfg, steps: int, compile: bool, loss: str) -> dict:
+    """HF model (+ peft) under autocast, fused AdamW, clipping, and the full or the chunked loss, timed per step."""
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     from clustertrain.model.estimate import model_flops_per_token, peak_flops
     from clustertrain.model.load import build_hf_config
     from clustertrain.parallel.apply import DTYPES
-    from clustertrain.train.trainer import memory_gb
+    from clustertrain.train.loss import chunked_loss_sum
+    from clustertrain.train.memory import memory_gb
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    dtype = DTYPES[cfg.parallel.param_dtype]
-    backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            device_id=device if backend == "nccl" else None)
-    try:
-        torch.manual_seed(0)
-        hf_config = build_hf_config(cfg.model, None, cfg.data.vocab_size)
-        lora = cfg.lora.rank > 0
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation="sdpa", dtype=dtype if lora else torch.float32
-            )
-        blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
-        if lora:
-            import peft
+        torch.set_float32_matmul_precision("high")  # TF32, as clustertrain sets for its fp32 work on a GPU
+    dtype = DTYPES[cfg.parallel.param_dtype]
+    torch.manual_seed(0)
+    hf_config = build_hf_config(cfg.model, None, cfg.data.vocab_size)
+    lora = cfg.lora.rank > 0
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa",
+                                                 dtype=dtype if lora else torch.float32)
+    blocks = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+    hf_model = model
+    if lora:
+        import peft
 
-            model = peft.get_peft_model(model, peft.LoraConfig(
-                r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear",
-                task_type="CAUSAL_LM",
-            ))  # the adapters in fp32 (peft's autocast_adapter_dtype), the base stays in `dtype`
-        if compile:
-            for block in blocks:
-                block.compile()
-        autocast = lora and dtype != torch.float32
-        if not lora:
-            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            for block in blocks:
-                fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
-        model.train()
-        o = cfg.optim
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=o.betas,
-                                      eps=o.eps, weight_decay=o.weight_decay, fused=True)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0, target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ))  # the adapters in fp32 (peft's autocast_adapter_dtype), the base stays in `dtype`
+    if compile:
+        for block in blocks:
+            block.compile()
+    autocast = dtype if dtype != torch.float32 else None
+    model.train()
+    o, chunk = cfg.optim, cfg.train.loss_chunk_tokens
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
+    head = hf_model.get_output_embeddings()
 
-        def cross_entropy(logits, labels):
-            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    def cross_entropy(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
-        loss_fn = torch.compile(cross_entropy) if compile else cross_entropy
-        shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
-        pool = [torch.randint(hf_config.vocab_size, shape, device=device) for _ in range(4)]
-        tokens = cfg.train.global_batch_size * cfg.data.seq_len
-        rates = []
-        for step in range(steps):
-            batch = pool[step % len(pool)]
-            start = time.perf_counter()
-            with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-                logits = model(input_ids=batch[:, :-1], use_cache=False).logits
-                loss = loss_fn(logits, batch[:, 1:])
-            del logits
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss.item()  # waits for the GPU, as the trainer's logging does
-            rates.append(tokens / (time.perf_counter() - start))
-        return {
-            "tokens_per_s": rates,
-            "mem_gb": memory_gb(device),
-            "flops_per_token": model_flops_per_token(model, cfg.data.seq_len),
-            "peak_flops": peak_flops(device, dtype),
-            "device": device.type,
-        }
-    finally:
-        dist.destroy_process_group()
+    full = torch.compile(cross_entropy) if compile else cross_entropy
+    chunked = torch.compile(chunked_loss_sum, dynamic=False) if compile else chunked_loss_sum
+
+    def loss_fn(ids, labels):
+        if loss == "full":
+            return full(model(input_ids=ids, use_cache=False).logits, labels)
+        # the decoder, then the output layer and the loss a chunk at a time: no [batch, seq, vocab] logits
+        hidden = hf_model.model(input_ids=ids, use_cache=False).last_hidden_state
+        return chunked(hidden.flatten(0, 1), head.weight, head.bias, labels.flatten(), chunk) / labels.numel()
+
+    say_what_runs(
+        f"reference-{loss}", wrapper="none (one process)", precision=precision(model, autocast),
+        loss="full (fp32 logits [batch, seq, vocab])" if loss == "full" else f"chunked ({chunk} tokens a chunk)",
+        kernels="pytorch", attention="sdpa", compile="blocks and loss" if compile else "off",
+        clipping=f"global norm {o.grad_clip:g}" if o.grad_clip else "off", optimizer="AdamW fused",
+        data="a fresh host batch each step, " + ("pinned, non_blocking copy" if device.type == "cuda" else "on CPU"),
+    )
+    generator = torch.Generator().manual_seed(0)
+    shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    rates = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch = torch.randint(hf_config.vocab_size, shape, generator=generator)
+        if device.type == "cuda":
+            batch = batch.pin_memory().to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=autocast) if autocast else contextlib.nullcontext():
+            loss_value = loss_fn(batch[:, :-1], batch[:, 1:])
+        loss_value.backward()
+        if o.grad_clip:
+            torch.nn.utils.clip_grad_norm_(params, o.grad_clip, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value.item()  # waits for the GPU, as the trainer's logging does
+        rates.append(tokens / (time.perf_counter() - start))
+    return {
+        "tokens_per_s": rates,
+        "mem_gb": memory_gb(device),
+        "flops_per_token": model_flops_per_token(model, cfg.data.seq_len),
+        "peak_flops": peak_flops(device, dtype),
+        "device": device.type,
+    }
 
 
 def run_one(args: argparse.Namespace) -> int:
@@ -223,7 +277,7 @@ def run_one(args: argparse.Namespace) -> int:
         if args.runner == "clustertrain":
             result = run_clustertrain(cfg, args.steps)
         else:
-            result = run_reference(cfg, args.steps, args.compile)
+            result = run_reference(cfg, args.steps, args.compile, args.runner.removeprefix("reference-"))
     result["dtype"] = dtype
     Path(args.result).write_text(json.dumps(result))
     return 0
@@ -232,7 +286,7 @@ def run_one(args: argparse.Namespace) -> int:
 # ---- the side-by-side table -----------------------------------------------------------------------------
 def summarize(result: dict, warmup: int, peak_flops: float | None) -> dict:
     """Medians after warmup. MFU: clustertrain's as it logged it; otherwise from FLOPs/token over `peak_flops`
-    (clustertrain's peak, so that a CPU's measured peak is the same for both rows)."""
+    (clustertrain's peak, so that a CPU's measured peak is the same for every row)."""
     tokens_per_s = statistics.median(result["tokens_per_s"][warmup:])
     mfus = [m for m in result.get("mfu", [])[warmup:] if m is not None]
     if mfus:
@@ -244,12 +298,38 @@ def summarize(result: dict, warmup: int, peak_flops: float | None) -> dict:
 
 
 def child(args: argparse.Namespace, workload: str, runner: str, result: Path) -> tuple[dict | None, str]:
+    """Run one runner in a process of its own session, showing its `ran:` line as it comes; past --timeout
+    seconds the process and everything it started are killed."""
     argv = [sys.executable, __file__, "--runner", runner, "--workload", workload, "--steps", str(args.steps),
             "--result", str(result), *(["--tiny"] if args.tiny else []), *(["--compile"] if args.compile else []),
             *(f"--set={o}" for o in args.overrides)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=os.environ.copy())
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+
+    def relay() -> None:
+        for line in proc.stdout:
+            tail.append(line)
+            if line.startswith(RAN):
+                print("  " + line.removeprefix(RAN), end="", flush=True)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:  # the runner, past its time or interrupted, and whatever it left behind (compile workers)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    reader.join(timeout=10)
+    output = "".join(tail)[-3000:]
+    if timed_out:
+        return None, f"{runner} ran past --timeout {args.timeout:g} s and was killed:\n{output}"
     if proc.returncode != 0 or not result.exists():
-        return None, f"{runner} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+        return None, f"{runner} exited {proc.returncode}:\n{output}"
     return json.loads(result.read_text()), ""
 
 
@@ -257,44 +337,54 @@ def print_table(w: Workload, rows: dict[str, dict | None], device: str, dtype: s
     lora = f", LoRA r={w.lora_rank} on all linear layers" if w.lora_rank else ""
     print(f"\n{w.title}: seq {w.seq_len} x batch {w.batch}{lora}, {dtype} on {device}, "
           f"{'compiled' if args.compile else 'eager'}, median of steps {args.warmup + 1}-{args.steps}")
-    header = f"{'runner':<14}{'tokens/s':>12}{'MFU':>9}{'peak mem':>12}"
+    header = f"{'runner':<19}{'tokens/s':>12}{'MFU':>9}{'peak mem':>12}"
     print(header)
     print("-" * len(header))
     for runner, row in rows.items():
         if row is None:
-            print(f"{runner:<14}{'failed':>12}")
+            print(f"{runner:<19}{'failed':>12}")
             continue
         mfu = f"{100 * row['mfu']:.1f}%" if row["mfu"] is not None else "-"
-        print(f"{runner:<14}{row['tokens_per_s']:>12,.0f}{mfu:>9}{row['mem_gb']:>9.2f} GB")
-    ct, ref = rows.get("clustertrain"), rows.get("reference")
-    if ct and ref:
-        print(f"ratio clustertrain/reference: tokens/s {ct['tokens_per_s'] / ref['tokens_per_s']:.2f}, "
-              f"peak memory {ct['mem_gb'] / ref['mem_gb']:.2f}")
+        print(f"{runner:<19}{row['tokens_per_s']:>12,.0f}{mfu:>9}{row['mem_gb']:>9.2f} GB")
+    ct = rows.get("clustertrain")
+    for name in RUNNERS[1:]:
+        ref = rows.get(name)
+        if ct and ref:
+            print(f"ratio clustertrain/{name}: tokens/s {ct['tokens_per_s'] / ref['tokens_per_s']:.2f}, "
+                  f"peak memory {ct['mem_gb'] / ref['mem_gb']:.2f}")
     sys.stdout.flush()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="clustertrain against a hand-written HF + FSDP2 loop on one GPU")
+    p = argparse.ArgumentParser(description="clustertrain against a hand-written HF + PyTorch loop on one GPU")
     p.add_argument("--workload", choices=["pretrain", "lora", "both"], default="both")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per runner (default 20)")
     p.add_argument("--warmup", type=int, default=None,
                    help="steps left out of the median (default: half of --steps, at most 10)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes: the same code on CPU in seconds")
-    p.add_argument("--compile", action="store_true", help="compile both runners (blocks and loss)")
+    p.add_argument("--compile", action="store_true", help="compile every runner (blocks and loss)")
+    p.add_argument("--timeout", type=float, default=900,
+                   help="seconds each runner's process may take before it is killed (default 900)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a clustertrain config override (repeatable), e.g. parallel.strategy=ddp")
+                   help="a clustertrain config override (repeatable), e.g. model.kernels=none")
     p.add_argument("--runner", choices=RUNNERS, help=argparse.SUPPRESS)  # internal: run one side in this process
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.warmup is None:
         args.warmup = min(10, args.steps // 2)
-    if args.steps < 1 or not 0 <= args.warmup < args.steps:
-        p.error("need --steps >= 1 and 0 <= --warmup < --steps")
+    if args.steps < 1 or not 0 <= args.warmup < args.steps or args.timeout <= 0:
+        p.error("need --steps >= 1, 0 <= --warmup < --steps and --timeout > 0")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if not args.tiny:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(NO_GPU, file=sys.stderr)
+            return 2
     if args.runner:
         if args.workload == "both":
             raise SystemExit("--runner needs one --workload")
