@@ -21,11 +21,16 @@ How transformers 5 keeps packed documents apart (`masking_utils.create_causal_ma
 How many documents a batch holds is a number the host needs (it sizes the lengths), and finding it on the
 GPU would make the host wait for the GPU at every forward. The loader finds them on the host
 (`clustertrain.data.pack.document_bounds`) and the trainer hands them over with the batch (`use_documents`).
+Whether rows are packed at all, which transformers would also ask the GPU, the loss tells it (`rows_packed`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,3 +218,44 @@ def _flex_attention_trains_on_cpu() -> bool:
     except NotImplementedError:
         return False
     return True
+
+
+_rows_packed: ContextVar[bool | None] = ContextVar("clustertrain_rows_packed", default=None)
+
+
+@contextlib.contextmanager
+def rows_packed(packed: bool) -> Iterator[None]:
+    """Tell transformers whether the rows of the forwards within hold several documents each (their position ids
+    restart inside a row), so that it need not ask the GPU.
+
+    Given position ids and no padding mask, transformers' mask creation (`find_packed_sequence_indices`) reads one
+    flag from the GPU at every forward to learn whether rows are packed; the caller knows, from the batch it
+    built. Outside this context (generation, other callers) transformers decides as before.
+    """
+    _answer_packed_rows_from_context()
+    token = _rows_packed.set(packed)
+    try:
+        yield
+    finally:
+        _rows_packed.reset(token)
+
+
+@functools.cache
+def _answer_packed_rows_from_context() -> None:
+    from transformers import masking_utils
+
+    asks_the_gpu = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if asks_the_gpu is None:  # a transformers that does not look for packed rows
+        return
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        packed = _rows_packed.get()
+        if packed is None:
+            return asks_the_gpu(position_ids)
+        if not packed:
+            return None  # what transformers finds for rows of one document: a plain causal mask
+        # transformers' own rule, without its check whether any row holds more than one document
+        restarts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+        return restarts.cumsum(-1)
+
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.model.attention import rows_packed
 
 CHUNKED_FROM_VOCAB = 32768  # train.loss auto: chunked from this vocabulary size on
 
@@ -261,7 +262,7 @@ def token_loss_sum(
     `position_ids` that restart inside a row mark packed documents; transformers then masks attention
     across them.
     """
-    with loss_targets(model, labels):
+    with loss_targets(model, labels), rows_packed(position_ids is not None):
         output = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     return output_loss_sum(output, labels)
 

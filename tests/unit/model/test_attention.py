@@ -251,3 +251,22 @@ def test_flash_attention_finds_the_lengths_itself_for_position_ids_of_another_ba
         token_losses(flash, torch.zeros_like(other), other)
     assert calls[0][1].tolist() == document_bounds(other.numpy()).tolist()
     assert "aten.nonzero.default" in [name for name, _ in syncs.found], "found on the device, at a host sync's cost"
+
+
+def test_transformers_learns_from_the_batch_whether_rows_are_packed_without_asking_the_gpu():
+    from host_syncs import HostSyncs
+    from transformers import masking_utils
+
+    from clustertrain.model.attention import rows_packed
+
+    packed = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]])
+    single = torch.arange(6).expand(2, 6)
+    with rows_packed(True), HostSyncs() as syncs:
+        documents = masking_utils.find_packed_sequence_indices(packed)
+    assert syncs.found == [], syncs.report()
+    assert documents.tolist() == [[0, 0, 0, 1, 1, 2], [0, 0, 0, 0, 0, 0]]  # transformers' own numbering
+    with rows_packed(False):
+        assert masking_utils.find_packed_sequence_indices(single) is None  # a plain causal mask
+    # outside (generation, other callers) transformers decides by itself, as before
+    assert masking_utils.find_packed_sequence_indices(single) is None
+    assert masking_utils.find_packed_sequence_indices(packed).tolist() == documents.tolist()

@@ -17,12 +17,6 @@ from clustertrain.config.load import load_config
 from clustertrain.data.pack import document_bounds
 from clustertrain.train.trainer import Trainer
 
-# transformers checks at every forward given position ids (ours, or the ones it makes) whether they restart: one
-# read of a flag from the GPU, in `masking_utils.find_packed_sequence_indices`, which clustertrain cannot answer for
-# it. Left out of the count, so that the count is what clustertrain's code and the kernels' inputs cost.
-TRANSFORMERS_PROBE = "masking_utils.py:find_packed_sequence_indices"
-
-
 # ---- the counter ---------------------------------------------------------------------------------------------
 
 
@@ -103,7 +97,7 @@ def test_steps_that_do_not_log_make_no_host_sync(tmp_path, stand_ins, path):
         trainer.start(trainer.resume())
         trainer.train_steps(1)  # step 1 logs
         calls.clear()
-        with HostSyncs(allow=(TRANSFORMERS_PROBE,)) as syncs:
+        with HostSyncs() as syncs:
             trainer.train_steps(2)  # steps 2 and 3 do not
         assert syncs.found == [], syncs.report()
         if path == "flash":  # each micro-batch's own rows' documents, as the loader found them
