@@ -276,3 +276,45 @@ def write_tiny_repo(folder: Path) -> Path:
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(folder)
     return folder
+
+
+def run_ranks(rank_fn, run_dir: Path, overrides: list[str]) -> None:
+    """Start `rank_fn(rank, world, port, overrides, out)` on 2 spawned ranks that train into `run_dir` (given as
+    `train.run_dir` first in `overrides`; `out` is `run_dir` as a string), and check that the run finished."""
+    import torch.multiprocessing as mp
+
+    from clustertrain.distributed.spawn import free_port
+
+    for attempt in range(3):  # the free port can be taken before rank 0 binds it: then the run fails at once
+        try:
+            mp.start_processes(rank_fn, args=(2, free_port(), [f"train.run_dir={run_dir}", *overrides], str(run_dir)),
+                               nprocs=2, start_method="spawn")
+            break
+        except Exception as e:  # noqa: BLE001 - only a taken port is retried
+            if PORT_TAKEN not in str(e) or attempt == 2:
+                raise
+    assert read_status(run_dir)["state"] == "finished"
+
+
+SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"
+# Imported by every Python process started with it on PYTHONPATH (a sitecustomize module): a rank's shard write
+# sleeps first, as on a slow file system, while SLOW_WRITE_ENV is set.
+SLOWED_WRITER = f"""
+import os, time
+from torch.distributed.checkpoint import FileSystemWriter
+
+_write_data = FileSystemWriter.write_data
+
+def write_data(self, plan, planner):
+    time.sleep(float(os.environ.get({SLOW_WRITE_ENV!r}, "0")))
+    return _write_data(self, plan, planner)
+
+FileSystemWriter.write_data = write_data
+"""
+
+
+def slow_checkpoint_writes(monkeypatch, folder: Path, seconds: float) -> None:
+    """Processes started from now on write their checkpoint shards `seconds` late (until SLOW_WRITE_ENV is unset)."""
+    (folder / "sitecustomize.py").write_text(SLOWED_WRITER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(SLOW_WRITE_ENV, str(seconds))

@@ -11,7 +11,8 @@ import time
 
 import pytest
 import torch
-from helpers import alive, children, final_weights, grad_norms, losses, start, train, wait_for_saves, wait_for_step
+from helpers import (SLOW_WRITE_ENV, alive, children, final_weights, grad_norms, losses, slow_checkpoint_writes, start,
+                     train, wait_for_saves, wait_for_step)
 
 from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 from clustertrain.train.metrics import read_jsonl
@@ -43,21 +44,6 @@ def test_retention_keeps_the_last_the_multiples_and_the_final(tmp_path):
 
 
 SLOW_WRITE_S = 4.0  # each rank's shard write sleeps this long first (see slow_writes)
-SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"
-# Imported by every Python process the test starts (a sitecustomize module on PYTHONPATH): it wraps DCP's writer
-# so that a rank's shard write sleeps first, as on a slow file system, while SLOW_WRITE_ENV is set.
-SLOWED_WRITER = f"""
-import os, time
-from torch.distributed.checkpoint import FileSystemWriter
-
-_write_data = FileSystemWriter.write_data
-
-def write_data(self, plan, planner):
-    time.sleep(float(os.environ.get({SLOW_WRITE_ENV!r}, "0")))
-    return _write_data(self, plan, planner)
-
-FileSystemWriter.write_data = write_data
-"""
 ASYNC = "checkpoint.async=true"
 
 
@@ -72,10 +58,7 @@ def sync_run(tmp_path_factory):
 @pytest.fixture
 def slow_writes(monkeypatch, tmp_path_factory):
     """Runs started from now on write their shards SLOW_WRITE_S late (until SLOW_WRITE_ENV is unset)."""
-    folder = tmp_path_factory.mktemp("slowed-writer")
-    (folder / "sitecustomize.py").write_text(SLOWED_WRITER)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(SLOW_WRITE_ENV, str(SLOW_WRITE_S))
+    slow_checkpoint_writes(monkeypatch, tmp_path_factory.mktemp("slowed-writer"), SLOW_WRITE_S)
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -10,10 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
-from helpers import PORT_TAKEN, TINY
+from helpers import TINY, run_ranks
 
-from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
 
@@ -61,17 +59,7 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> N
 
 
 def run_watched(tmp_path: Path, overrides: list[str]) -> list[dict]:
-    from clustertrain.distributed.spawn import free_port
-
-    for attempt in range(3):  # the free port can be taken before rank 0 binds it: then the run fails at once
-        try:
-            mp.start_processes(_rank, args=(2, free_port(), [f"train.run_dir={tmp_path}", *overrides],
-                                            str(tmp_path)), nprocs=2, start_method="spawn")
-            break
-        except Exception as e:  # noqa: BLE001 - only a taken port is retried
-            if PORT_TAKEN not in str(e) or attempt == 2:
-                raise
-    assert read_status(tmp_path)["state"] == "finished"
+    run_ranks(_rank, tmp_path, overrides)
     return [c for r in range(2) for c in json.loads((tmp_path / f"calls-{r}.json").read_text())]
 
 

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 import torch
-from helpers import final_weights, grad_norms, losses, start, train, wait_for_step
+from helpers import (SLOW_WRITE_ENV, final_weights, grad_norms, losses, slow_checkpoint_writes, start, train,
+                     wait_for_step)
 
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
 from clustertrain.train.metrics import read_jsonl
@@ -20,21 +21,6 @@ RUN = ["model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layers
        "num_key_value_heads: 2, max_position_embeddings: 256, attention_dropout: 0.1}",
        "model.attn_implementation=eager", "parallel.param_dtype=float32", "train.steps=8", "checkpoint.every=2"]
 SLOW_WRITE_S = 4.0
-SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"
-# Imported by every Python process started with it on PYTHONPATH: a rank's shard write sleeps first, as on a slow
-# file system, while SLOW_WRITE_ENV is set.
-SLOWED_WRITER = f"""
-import os, time
-from torch.distributed.checkpoint import FileSystemWriter
-
-_write_data = FileSystemWriter.write_data
-
-def write_data(self, plan, planner):
-    time.sleep(float(os.environ.get({SLOW_WRITE_ENV!r}, "0")))
-    return _write_data(self, plan, planner)
-
-FileSystemWriter.write_data = write_data
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -44,10 +30,7 @@ def deterministic_cublas(monkeypatch):
 
 @pytest.fixture
 def slow_writes(monkeypatch, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("slowed-writer")
-    (folder / "sitecustomize.py").write_text(SLOWED_WRITER)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv(SLOW_WRITE_ENV, str(SLOW_WRITE_S))
+    slow_checkpoint_writes(monkeypatch, tmp_path_factory.mktemp("slowed-writer"), SLOW_WRITE_S)
 
 
 def test_sigterm_saves_and_the_resume_on_another_gpu_count_ends_bit_identical(tmp_path, slow_writes, monkeypatch):
