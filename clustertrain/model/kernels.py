@@ -141,8 +141,9 @@ def liger_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     """Summed token cross entropy of `hidden @ weight.T + bias` by Liger's fused kernel (CUDA).
 
     The head's gradient is accumulated over Liger's chunks in fp32 (`accum_dtype`), not in the weights' own
-    dtype (bf16 under FSDP's mixed precision). Nothing here waits on the GPU; Liger itself does (it counts the labels that are not ignored
-    with `.item()` in forward, and compares the incoming gradient with 1 by `torch.equal` in backward).
+    dtype (bf16 under FSDP's mixed precision). Nothing here waits on the GPU; Liger itself does (it counts the
+    labels that are not ignored with `.item()` in forward, and compares the incoming gradient with 1 by
+    `torch.equal` in backward).
     """
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
