@@ -110,6 +110,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from clustertrain.config.remote_code import custom_code
     from clustertrain.model.weights import refusal
 
     adapter = not (path / "config.json").is_file()
@@ -117,22 +118,26 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
         from clustertrain.model.download import check_adapter_base
 
         check_adapter_base(path)
+    if problem := custom_code(path):
+        raise CheckpointError(problem)
     try:
         if adapter:
             from peft import AutoPeftModelForCausalLM
 
-            model = AutoPeftModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+            model = AutoPeftModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                             trust_remote_code=False)
         else:
-            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                         trust_remote_code=False)
     except pickle.UnpicklingError as e:  # transformers loads .bin weights with weights_only=True
         raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
     tokenizer_dir = path
     if adapter and not _has_tokenizer(path):  # then its base model has it
-        tokenizer_dir = model.peft_config["default"].base_model_name_or_path
+        tokenizer_dir = model.peft_config["default"].base_model_name_or_path  # checked by check_adapter_base
     try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot load its tokenizer: {_first_line(e)}") from None
     return model, tokenizer

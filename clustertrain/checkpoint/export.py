@@ -38,6 +38,7 @@ from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, Open
 from clustertrain.checkpoint.stream import (Snapshot, check_checkpoint_fits, load_adapters, plan_entries,
                                             write_adapter, write_weights)
 from clustertrain.config.load import dump_config, load_config, validate
+from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import DataConfig, RunConfig
 from clustertrain.errors import CheckpointError
 from clustertrain.model.load import build_hf_config, build_meta_model
@@ -102,11 +103,12 @@ def open_for_export(ckpt_dir: str | Path) -> Checkpoint:
     if not (path / "config.yaml").is_file():
         raise CheckpointError(f"{path}: no config.yaml, so the model cannot be rebuilt")
     config = load_config(path / "config.yaml")
+    _refuse_custom_code(path / "tokenizer", path / "model")
     tokenizer = None
     if (path / "tokenizer").is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True, trust_remote_code=False)
     if config.model.pretrained:  # the snapshot's HF config, saved with the checkpoint: no snapshot needed
-        hf_config = AutoConfig.from_pretrained(path / "model", local_files_only=True)
+        hf_config = AutoConfig.from_pretrained(path / "model", local_files_only=True, trust_remote_code=False)
     else:  # An imported model pins its vocab_size, which may be below data.vocab_size's floor.
         vocab_size = config.model.config.get("vocab_size", config.data.vocab_size)
         hf_config = build_hf_config(config.model, tokenizer, vocab_size)
@@ -224,8 +226,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
     _refuse_non_empty(out_dir)
+    _refuse_custom_code(hf_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32,
+                                                     trust_remote_code=False)
     except pickle.UnpicklingError as e:  # transformers reads .bin files weights-only
         files = ", ".join(str(f) for f in sorted(hf_dir.glob("*.bin"))) or str(hf_dir)
         raise CheckpointError(f"{files} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
@@ -233,7 +237,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         raise CheckpointError(f"{hf_dir}: cannot load a causal LM: {first_line(e)}") from None
     tokenizer = None
     if any((hf_dir / name).is_file() for name in _TOKENIZER_FILES):
-        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True, trust_remote_code=False)
         if len(tokenizer) > model.config.vocab_size:
             raise CheckpointError(
                 f"{hf_dir}: the tokenizer has {len(tokenizer)} tokens but the model only {model.config.vocab_size}"
@@ -278,6 +282,12 @@ def run_config_for(hf_config: PretrainedConfig, hf_dir: Path, has_tokenizer: boo
     if isinstance(positions, int) and positions < DataConfig.model_fields["seq_len"].default:
         raw["data"]["seq_len"] = positions  # the default would be longer than the model takes
     return validate(raw)
+
+
+def _refuse_custom_code(*folders: Path) -> None:
+    for folder in folders:
+        if problem := custom_code(folder):
+            raise CheckpointError(problem)
 
 
 def _refuse_non_empty(out_dir: Path) -> None:

@@ -28,7 +28,7 @@ def run_train(args: argparse.Namespace) -> int:
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose a new directory")
     train_bpe(config.data, out)
-    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True, trust_remote_code=False)
     print(f"trained a {len(tokenizer)}-token byte-level BPE on {len(config.data.sources)} source(s) into {out}")
     print(f"use it with: --set data.tokenizer={out}")
     return 0

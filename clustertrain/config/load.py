@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import ModelConfig, RunConfig
 from clustertrain.config.secrets import find_secrets
 from clustertrain.errors import ConfigError
@@ -76,6 +77,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .yaml, .yml or .toml")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {' '.join(str(e).split())}") from None
+    except RecursionError:  # tomllib, like PyYAML, reads nesting by recursion
+        raise ConfigError(f"{path}: {TOO_DEEP}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
     return data
@@ -104,18 +107,52 @@ def read_utf8(path: Path, what: str) -> str:
                           f"(offset {e.start}); save it as UTF-8") from None
 
 
+# Values that aliases may add to a document, counted as the values they stand for: anchors for a few shared
+# sections fit easily; a "billion laughs" (aliases of aliases) would expand to billions once validated.
+MAX_ALIASED_VALUES = 10_000
+TOO_DEEP = "nested too deeply to read (thousands of levels); a config needs a few"
+_MERGE = "tag:yaml.org,2002:merge"
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML would keep the last one silently)."""
+    """yaml.SafeLoader that refuses a mapping key given twice (PyYAML would keep the last one silently), an alias
+    inside the value it names, and aliases that expand past MAX_ALIASED_VALUES values."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self.sizes: dict[int, int] = {}  # id(node) -> the values it holds once aliases are expanded, itself included
+        self.aliased = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None:
+                line = event.start_mark.line + 1
+                if id(target) not in self.sizes:  # still being composed: the alias is inside its own anchor
+                    raise RefusedYaml(f"the alias *{event.anchor} at line {line} is inside the value it names")
+                self.aliased += self.sizes[id(target)]
+                if self.aliased > MAX_ALIASED_VALUES:
+                    raise RefusedYaml(f"aliases expand past {MAX_ALIASED_VALUES} values by *{event.anchor} at line "
+                                      f"{line} (a YAML bomb?); write the values out")
+            return super().compose_node(parent, index)
+        node = super().compose_node(parent, index)
+        children = node.value if isinstance(node, yaml.SequenceNode) else (
+            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else [])
+        self.sizes[id(node)] = 1 + sum(self.sizes[id(child)] for child in children)
+        return node
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:
+                continue  # `<<: *base`: the keys given here override the merged ones, as YAML says
             key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, (str, int, float, bool)) or key == "<<":
-                continue  # merge keys and unhashable keys: PyYAML's own rules
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # unhashable keys: PyYAML's own rules
             line = key_node.start_mark.line + 1
             if key in seen:
-                raise DuplicateKey(f"duplicate key {key!r} at line {line} (first at line {seen[key]})")
+                raise RefusedYaml(f"duplicate key {key!r} at line {line} (first at line {seen[key]})")
             seen[key] = line
         return super().construct_mapping(node, deep=deep)
 
@@ -131,16 +168,18 @@ _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.const
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
 
 
-class DuplicateKey(ValueError):
-    """A YAML mapping names one key twice."""
+class RefusedYaml(ValueError):
+    """A YAML document our loader refuses: a key given twice, or aliases that loop or expand too far."""
 
 
 def load_yaml(text: str, where: str) -> Any:
-    """yaml.safe_load, refusing duplicate keys with a ConfigError that names `where`, the key and both lines."""
+    """yaml.safe_load, refusing duplicate keys and alias bombs with a one-line ConfigError that names `where`."""
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except DuplicateKey as e:
+    except RefusedYaml as e:
         raise ConfigError(f"{where}: {e}") from None
+    except RecursionError:  # PyYAML reads nesting by recursion
+        raise ConfigError(f"{where}: {TOO_DEEP}") from None
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
@@ -300,8 +339,10 @@ def _local_snapshot(config: RunConfig) -> Any:
     path = Path(config.model.path) if config.model.path else None
     if path is None or not (path / "config.json").is_file():
         return None
+    if problem := custom_code(path):
+        return f"config error: model.path: {problem}"
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - json, unknown model types, the class's own checks
         return f"config error: model.path: {path / 'config.json'} cannot be read: {' '.join(str(e).split())}"
 
@@ -334,7 +375,8 @@ def _build_hf_config(config: RunConfig, base: Any) -> Any:
     from transformers import AutoConfig
 
     if config.model.pretrained:
-        return AutoConfig.from_pretrained(config.model.path, local_files_only=True, **config.model.config_fields)
+        return AutoConfig.from_pretrained(config.model.path, local_files_only=True, trust_remote_code=False,
+                                          **config.model.config_fields)
     return AutoConfig.for_model(base.model_type, **config.model.config_fields)
 
 
@@ -396,7 +438,7 @@ def _check_lora_targets(config: RunConfig, base: Any) -> str | None:
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_build_hf_config(config, base))
+        model = AutoModelForCausalLM.from_config(_build_hf_config(config, base), trust_remote_code=False)
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]
     if not missing:

@@ -182,7 +182,8 @@ class DataConfig(Section):
         "is drawn from a source, then packed).",
     )
     seq_len: int = Field(128, gt=0, description="Tokens per training sequence.")
-    seed: int | None = Field(None, description="Seeds the data order and mixture; default train.seed.")
+    seed: int | None = Field(None, ge=0, lt=2**63,
+                             description="Seeds the data order and mixture (0 to 2^63-1); default train.seed.")
     shuffle_buffer: int = Field(
         1024, ge=1, description="Documents are shuffled within consecutive windows of this many (1: no shuffle)."
     )
@@ -297,7 +298,8 @@ class TrainConfig(Section):
         "global_batch_size = micro_batch_size x grad_accum x data-parallel ranks, which fits any node count (a resume "
         "needs the same global batch, so the same rank count).",
     )
-    seed: int = Field(1234, description="Seeds the initial weights and the data order (same on any rank count).")
+    seed: int = Field(1234, ge=0, lt=2**63, description="Seeds the initial weights and the data order (same on any "
+                      "rank count); 0 to 2^63-1.")
     resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
     overwrite: bool = Field(
         False, description="With resume none, start over in a run directory that has checkpoints (moved aside)."

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import DataConfig
 from clustertrain.data.plan import text_pieces
 from clustertrain.data.readers import check_text
@@ -52,8 +53,10 @@ def load_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase | None:
         train_bpe(data, path)
     if not path.is_dir():
         raise DataError(f"data.tokenizer: {path} is not a tokenizer directory")
+    if problem := custom_code(path):
+        raise DataError(f"data.tokenizer: {problem}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise DataError(f"data.tokenizer: cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
     if tokenizer.eos_token_id is None:

@@ -102,21 +102,28 @@ def resolve_hub_id(hub_id: str, cache_dir: str | Path | None = None, revision: s
 
 def check_adapter_base(adapter_dir: Path, cache_dir: str | Path | None = None) -> None:
     """Refuse in one line an adapter whose base model is a hub id missing from the local HF cache, before peft
-    and transformers look for it (offline they fail with "couldn't connect", online they retry the hub)."""
+    and transformers look for it (offline they fail with "couldn't connect", online they retry the hub), or a
+    base that would need its own Python code to load."""
+    from clustertrain.config.remote_code import custom_code
+
     try:
         base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
     except (OSError, ValueError, KeyError, TypeError):
         return  # peft names the problem itself
-    if not isinstance(base, str) or any(Path(where, base).expanduser().is_dir() for where in (".", adapter_dir)):
+    if not isinstance(base, str):
         return
+    folder = next((Path(where, base).expanduser() for where in (".", adapter_dir)
+                   if Path(where, base).expanduser().is_dir()), None)
     cache = hub_cache(cache_dir)
     try:
-        if cached_snapshot(base, "model", None, cache) is not None:
-            return
+        folder = folder or cached_snapshot(base, "model", None, cache)
     except DataError:  # not a hub id either: a missing folder, which the loader names
         return
-    raise DataError(f"{adapter_dir}: its base model '{base}' is neither a folder here nor in the Hugging Face cache "
-                    f"{cache}; fetch it on a machine with network (same HF_HOME): {download_command(base)}")
+    if folder is None:
+        raise DataError(f"{adapter_dir}: its base model '{base}' is neither a folder here nor in the Hugging Face "
+                        f"cache {cache}; fetch it on a machine with network (same HF_HOME): {download_command(base)}")
+    if problem := custom_code(folder):
+        raise DataError(f"{adapter_dir}: its base model {problem}")
 
 
 def cached_snapshot(repo_id: str, repo_type: str, revision: str | None, cache: Path) -> Path | None:

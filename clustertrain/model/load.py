@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import LoraConfig, ModelConfig
 from clustertrain.errors import ConfigError
 from clustertrain.model.attention import keep_packed_documents_apart
@@ -37,7 +38,10 @@ def build_hf_config(
     """
     snapshot = snapshot_dir(model)
     if snapshot is not None:
-        config = AutoConfig.from_pretrained(snapshot, local_files_only=True, **model.config_fields)
+        if problem := custom_code(snapshot):
+            raise ConfigError(problem)
+        config = AutoConfig.from_pretrained(snapshot, local_files_only=True, trust_remote_code=False,
+                                            **model.config_fields)
         if tokenizer is not None and len(tokenizer) > config.vocab_size:
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but {snapshot} only {config.vocab_size}")
         return config
@@ -70,7 +74,7 @@ def build_meta_model(hf_config: PretrainedConfig, lora: LoraConfig | None = None
     """
     with torch.device("meta"):
         built = AutoModelForCausalLM.from_config(
-            hf_config, attn_implementation=attn_implementation, dtype=torch.float32
+            hf_config, attn_implementation=attn_implementation, dtype=torch.float32, trust_remote_code=False
         )
     if attn_implementation == "flash_attention_2":
         keep_packed_documents_apart(built)

@@ -53,6 +53,14 @@ def SNAP(key: str, snapshot: str, *sets: str, config_json: bytes | None = None) 
     text = config_json if config_json is not None else json.dumps(SNAPSHOTS.get(snapshot, {})).encode()
     return Bad(key, (f"model.path={{tmp}}/{snapshot}", *sets), {f"{snapshot}/config.json": text})
 
+# A "billion laughs" in a key that takes a list: 9 aliases of 9 aliases ... stand for 9^10 strings in 485 bytes.
+BOMB = "slurm:\n  setup:\n    - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"    - &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefghi", "bcdefghij"))
+# A tokenizer folder whose tokenizer_config.json asks transformers to run its custom.py (which would leave RAN).
+CODE = b"open('RAN', 'w').close()\n"
+CODE_TOKENIZER = json.dumps({"tokenizer_class": "CustomTokenizer", "auto_map": {
+    "AutoTokenizer": ["custom.CustomTokenizer", None]}}).encode()
+
 CASES: dict[str, Bad] = {
     # ---- model: architecture -------------------------------------------------------------------
     "arch-bert": S("model.arch", "model.arch=bert"),
@@ -150,6 +158,9 @@ CASES: dict[str, Bad] = {
     "eval-fraction-negative": S("data.eval_fraction", "data.eval_fraction=-0.1"),
     "data-seed-string": S("data.seed", "data.seed=abc"),
     "data-seed-bool": S("data.seed", "data.seed=true"),
+    "data-seed-negative": S("data.seed", "data.seed=-5"),
+    "tokenizer-ships-code": Bad("never runs code from a model or tokenizer folder", ("data.tokenizer={tmp}/tok",),
+                                {"tok/tokenizer_config.json": CODE_TOKENIZER, "tok/custom.py": CODE}),
     "audit-list": S("data.audit", "data.audit=[1]"),
     "data-unknown-key": S("data.seqlen", "data.seqlen=64"),
     # ---- optim ---------------------------------------------------------------------------------
@@ -191,6 +202,9 @@ CASES: dict[str, Bad] = {
     "micro-above-small-global": S("micro_batch_size", "train.global_batch_size=2", "train.micro_batch_size=4"),
     "seed-bool": S("train.seed", "train.seed=true"),
     "seed-string": S("train.seed", "train.seed=abc"),
+    "seed-negative": S("train.seed", "train.seed=-1"),
+    "seed-past-64-bits": S("train.seed", "train.seed=18446744073709551616"),
+    "seed-past-63-bits": S("train.seed", "train.seed=9223372036854775808"),
     "overwrite-word": S("train.overwrite", "train.overwrite=maybe"),
     "stop-after-zero": S("train.stop_after_steps", "train.stop_after_steps=0"),
     "walltime-word": S("walltime", "train.walltime=soon"),
@@ -302,11 +316,19 @@ CASES: dict[str, Bad] = {
                              "model:\n  config: {hidden_size: 64, hidden_size: 96}\n"),
     "yaml-duplicate-in-list": F("duplicate key 'path'", "c.yaml",
                                 "data:\n  sources:\n    - path: a.txt\n      path: b.txt\n"),
+    "yaml-bomb": F("c.yaml: aliases expand past", "c.yaml", BOMB),
+    "yaml-alias-in-itself": F("*a at line 4 is inside", "c.yaml", "model:\n  config: &a\n    hidden_size: 64\n"
+                              "    x: *a\n"),
+    "yaml-merge-then-duplicate": F("duplicate key 'steps' at line 4", "c.yaml",
+                                   "train:\n  <<: {steps: 3}\n  steps: 4\n  steps: 5\n"),
+    "yaml-nested-100000-deep": F("c.yaml: nested too deeply", "c.yaml",
+                                 "slurm:\n  setup: " + "[" * 100_000 + "]" * 100_000),
     "yaml-not-utf8": F("not UTF-8", "c.yaml", b"train:\n  steps: 3 # caf\xe9\n"),
     "yaml-utf16": F("not UTF-8", "c.yaml", "train:\n  steps: 3\n".encode("utf-16")),
     "yml-not-utf8": F("c.yml", "c.yml", b"\xff\xfe\x00"),
     "toml-syntax": F("c.toml", "c.toml", "[train\nsteps = 3\n"),
     "toml-duplicate": F("c.toml", "c.toml", "[train]\nsteps = 3\nsteps = 4\n"),
+    "toml-nested-100000-deep": F("c.toml: nested too deeply", "c.toml", "x = " + "[" * 100_000 + "]" * 100_000),
     "toml-duplicate-table": F("c.toml", "c.toml", "[train]\nsteps = 3\n[train]\nseed = 1\n"),
     "toml-not-utf8": F("not UTF-8", "c.toml", b"[train]\nrun_dir = \"r\xe9\"\n"),
     "toml-steps-true": F("train.steps", "c.toml", "[train]\nsteps = true\n"),

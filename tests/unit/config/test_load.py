@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,42 @@ def test_config_reference_is_current():
 
     committed = (Path(__file__).parents[3] / "docs" / "config.md").read_text()
     assert committed == render_reference(), "run: python -m clustertrain.config.docs > docs/config.md"
+
+
+def test_a_yaml_bomb_is_refused_fast_in_little_memory(tmp_path):
+    """A "billion laughs" inside a key that takes a list (9 aliases of 9 aliases ..., 9^10 strings in 485 bytes)
+    stops before anything expands it: it took over 3 GB once validated."""
+    levels = "abcdefghij"
+    (tmp_path / "bomb.yaml").write_text("slurm:\n  setup:\n    - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n"
+                                        + "".join(f"    - &{b} [{', '.join([f'*{a}'] * 9)}]\n"
+                                                  for a, b in zip(levels, levels[1:])))
+    tracemalloc.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ConfigError, match=r"bomb.yaml: aliases expand past 10000 values by \*d at line 7 \(a YAML "
+                                              r"bomb\?\); write the values out$"):
+            load_config(tmp_path / "bomb.yaml")
+        seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seconds < 1 and peak < 50e6, (seconds, peak)
+
+
+def test_anchors_aliases_and_merge_keys_load(tmp_path):
+    """YAML's own ways of sharing values: an alias of a list, and a merge key (`<<: *base`) whose mapping the keys
+    beside it override."""
+    (tmp_path / "c.yaml").write_text(
+        "data:\n"
+        "  sources:\n"
+        "    - &corpus {path: a.txt, format: text, weight: 1.0}\n"
+        "    - <<: *corpus\n"
+        "      path: b.txt\n"
+        "    - {<<: [*corpus], weight: 3.0}\n"
+        "slurm:\n"
+        "  setup: &lines [module load a, module load b]\n"
+        "  modules: *lines\n"
+    )
+    config = load_config(tmp_path / "c.yaml")
+    assert [(s.path, s.format, s.weight) for s in config.data.sources] == [
+        ("a.txt", "text", 1.0), ("b.txt", "text", 1.0), ("a.txt", "text", 3.0)]
+    assert config.slurm.setup == config.slurm.modules == ["module load a", "module load b"]
