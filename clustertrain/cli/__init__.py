@@ -55,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         shown = getattr(e, "shown", False)  # by the rank that had it (clustertrain/distributed/failures.py)
         from clustertrain.distributed.env import is_rank0
+        from clustertrain.train.metrics import print_best_effort
 
         if (is_rank0() or getattr(args, "log_all_ranks", False)) and not shown:
-            print(f"error: {e}", file=sys.stderr)
+            # A closed stderr must not turn the exit code that says what happened into a traceback's 1.
+            print_best_effort(f"error: {e}", sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
 from pathlib import Path
 
@@ -138,6 +139,7 @@ def run_scaling(args: argparse.Namespace) -> int:
 def run_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     from clustertrain.checkpoint.dcp import latest_checkpoint
     from clustertrain.errors import LaunchError
@@ -150,7 +152,12 @@ def run_status(args: argparse.Namespace) -> int:
     if not chain and not (run_dir / "status.json").exists():
         raise LaunchError(f"{run_dir} has no Slurm job chain ({run_dir / jobs.CHAIN}) and no status.json; "
                           "is it a run directory?")
-    console = Console(highlight=False, soft_wrap=True)  # paths stay whole, for copy and paste
+    # Paths stay whole, for copy and paste; no markup: the files' own text (an error, a job id) is shown as it is.
+    console = Console(highlight=False, soft_wrap=True, markup=False)
+
+    def say(label: str, text: str) -> None:
+        console.print(Text.assemble((label, "bold"), " ", text))
+
     table = Table("job", "restart", "state", "started", "ended", "exit", "nodes", box=None)
     live = jobs.job_states(jobs.job_ids(chain))
     for job_id in jobs.job_ids(chain):
@@ -162,30 +169,34 @@ def run_status(args: argparse.Namespace) -> int:
             state = live.get(job_id) if i == len(starts) - 1 and job_id in live else end.get("outcome", "?")
             table.add_row(job_id, str(start.get("restart", "-")), state, _clock(start.get("time")),
                           _clock(end.get("time")), str(end.get("exit_code", "")), start.get("nodes") or "")
-    console.print(f"[bold]run[/bold] {run_dir.resolve()}")
+    say("run", str(run_dir.resolve()))
     console.print(table)
     status = read_status(run_dir) or {}
     if status:
         detail = status.get("reason") or status.get("error") or ""
-        console.print(f"[bold]state[/bold] {status['state']} at step {status.get('step')}/{status.get('total_steps')}"
-                      + (f" ({detail})" if detail else "") + f", {_clock(status.get('time'))}")
+        say("state", f"{status['state']} at step {status.get('step')}/{status.get('total_steps')}"
+                     + (f" ({detail})" if detail else "") + f", {_clock(status.get('time'))}")
     checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    console.print(f"[bold]checkpoint[/bold] {checkpoint or '-'}")
+    say("checkpoint", str(checkpoint or "-"))
     metrics = run_dir / "metrics.jsonl"
     records = [r for r in read_jsonl(metrics) if r.get("loss") is not None] if metrics.exists() else []
     total = status.get("total_steps")
-    if records and total:
+    if records and type(total) is int and total > 0 and records[-1]["step"] > 0:
         last = records[-1]
         line = f"step {last['step']}/{total} ({100 * last['step'] / total:.0f}%), loss {last['loss']:.4f}"
         if last.get("tokens_per_s") and last.get("tokens"):
             remaining = (total - last["step"]) * last["tokens"] / last["step"] / last["tokens_per_s"]
-            line += f", {last['tokens_per_s']:,.0f} tokens/s, eta {format_duration(remaining)} of training"
-        console.print(f"[bold]progress[/bold] {line}")
+            if math.isfinite(remaining):
+                line += f", {last['tokens_per_s']:,.0f} tokens/s, eta {format_duration(remaining)} of training"
+        say("progress", line)
     started = [e for e in chain if e["event"] == "started"]
     if started:
-        console.print(f"[bold]log[/bold] tail -f {run_dir / 'slurm' / (started[-1]['job_id'] + '.out')}")
+        say("log", f"tail -f {run_dir / 'slurm' / (started[-1]['job_id'] + '.out')}")
     return 0
 
 
 def _clock(timestamp: float | None) -> str:
-    return datetime.datetime.fromtimestamp(timestamp).strftime("%m-%d %H:%M:%S") if timestamp else ""
+    try:
+        return datetime.datetime.fromtimestamp(timestamp).strftime("%m-%d %H:%M:%S") if timestamp else ""
+    except (TypeError, ValueError, OverflowError, OSError):  # a hand-edited file: NaN, year 10^20, a string
+        return "?"

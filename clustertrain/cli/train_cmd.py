@@ -48,6 +48,7 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
 
     from clustertrain.distributed.stop import Preempted
     from clustertrain.distributed.env import is_rank0
+    from clustertrain.train.metrics import print_best_effort
     from clustertrain.train.trainer import Trainer
 
     try:
@@ -57,7 +58,7 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
             # Only rank 0 reports 75: the checkpoint is committed, and a non-zero exit of another rank would
             # make `srun --kill-on-bad-exit` cut rank 0 short while it closes its files.
             return 0
-        print(str(stop), file=sys.stderr, flush=True)
+        print_best_effort(str(stop), sys.stderr)
         return stop.exit_code
     if is_rank0():
         print_summary(summary)
@@ -66,10 +67,11 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
 
 def print_summary(summary) -> None:
     """The end-of-run report: where things are, how the loss moved, what the model writes."""
-    from rich.console import Console
     from rich.text import Text
 
-    console = Console(highlight=False)
+    from clustertrain.train.metrics import BestEffortConsole, silence
+
+    console = BestEffortConsole(highlight=False)  # a closed stdout does not turn a finished run into exit 1
     rows = [
         ("run directory", str(summary.run_dir)),
         ("checkpoint", str(summary.checkpoint) if summary.checkpoint else "-"),
@@ -84,4 +86,7 @@ def print_summary(summary) -> None:
         rows.append(("sample", summary.sample.replace("\n", "\n" + " " * 15)))
     for name, value in rows:
         console.print(Text.assemble((f"{name:>13}", "bold"), "  ", value), soft_wrap=True)
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()
+    except OSError:
+        silence(sys.stdout)

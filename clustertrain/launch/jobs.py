@@ -21,9 +21,11 @@ from typing import Any
 
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
-from clustertrain.errors import LaunchError
+from clustertrain.data.readers import BadData, parse_object
+from clustertrain.errors import DataError, LaunchError
 from clustertrain.launch.slurm import render_script
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.train.metrics import json_value
 from clustertrain.train.status import read_status
 
 CHAIN = Path("slurm") / "jobs.jsonl"
@@ -40,12 +42,47 @@ def record(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
     return entry
 
 
+# The type of each field an event may have, as record() writes them; "event" and "job_id" are in every event.
+_FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    **{key: ((str,), "string") for key in ("event", "job_id", "next_job", "outcome", "script")},
+    "nodes": ((str, type(None)), "string or null"), "time": ((int, float), "number"),
+    "restart": ((int,), "whole number"), "exit_code": ((int,), "whole number"), "signalled": ((bool,), "boolean"),
+}
+
+
 def read_chain(run_dir: Path) -> list[dict[str, Any]]:
-    """Every event of the run's job chain, oldest first."""
+    """Every event of the run's job chain, oldest first.
+
+    Raises:
+        DataError: One line naming the file and line that is not UTF-8, not a JSON object, lacks "event" or
+            "job_id", or has a field of another type than clustertrain writes.
+    """
     path = run_dir / CHAIN
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    chain = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})") from None
+        event = parse_object(text, where, BadData("error"))
+        for key in ("event", "job_id"):
+            if key not in event:
+                raise DataError(f"{where}: no {key!r}; every event of the Slurm job chain names its event and job")
+        for key, (types, want) in _FIELD_TYPES.items():
+            value = event.get(key)
+            if key in event and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+                raise DataError(f"{where}: {key!r} is {json_value(value)}; it must be a {want}")
+        chain.append(event)
+    return chain
 
 
 def restarts(chain: list[dict[str, Any]]) -> int:

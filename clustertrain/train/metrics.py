@@ -7,15 +7,55 @@ from a checkpoint at ``start_step`` logs steps ``start_step + 1 ..``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from clustertrain.data.readers import BadData, json_type, parse_object
+from clustertrain.errors import DataError
+
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
+
+
+def silence(stream: IO[str]) -> None:
+    """Point `stream`'s file descriptor at /dev/null after a write to it failed (a closed pipe, a full disk), as
+    Python's docs on SIGPIPE advise: its buffered text, later writes and the interpreter's flush at exit then go
+    nowhere instead of raising."""
+    with contextlib.suppress(OSError, ValueError):  # no descriptor (a StringIO), or already closed
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+        stream.flush()
+
+
+def print_best_effort(text: str, stream: IO[str]) -> None:
+    """`print(text, file=stream)`, flushed, that a closed or full stream silences (see `silence`) instead of failing."""
+    try:
+        print(text, file=stream, flush=True)
+    except OSError:
+        silence(stream)
+
+
+class BestEffortConsole(Console):
+    """A rich Console whose output is best-effort: once a write fails (`clustertrain train | head`, a full disk
+    under `> log`) it prints nothing more, and the run goes on (metrics.jsonl keeps every line). rich's own
+    answer to a closed pipe is SystemExit(1), which would end the run and leave its status "running"."""
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().print(*args, **kwargs)
+        except OSError:
+            self.on_broken_pipe()
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        silence(self.file)
 
 
 def _si(value: float) -> str:
@@ -91,20 +131,65 @@ def _plain(value: Any) -> Any:
     return item() if callable(item) else value
 
 
+# Metrics that readers compute with (`plot`, `slurm status`, the run's summary): a number or null in every record.
+_NUMBERS = frozenset(key for key, _ in _FIELDS) | {"tokens", "tokens_per_s_per_rank", "eta_s"}
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Reads a metrics file; a truncated last line (killed mid-write) is dropped."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    """Reads a metrics file; a last line cut short (a run killed mid-write: no newline at its end) is dropped.
+
+    Raises:
+        DataError: One line naming the file and line: not UTF-8 or not JSON, not an object, a ``step`` that is
+            not a whole number, or a known metric (loss, lr, tokens_per_s, ...) that is not a number or null.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    lines = data.splitlines()
     records = []
-    for i, line in enumerate(lines):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
+        cut = number == len(lines) and not data.endswith(b"\n")
+        where = f"{path}:{number}"
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if cut:
                 break
-            raise
+            raise DataError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
+                            "metrics.jsonl holds one JSON object per line") from None
+        record = parse_object(text, where, BadData("skip" if cut else "error"))
+        if record is None:  # only when cut
+            break
+        step = record.get("step")
+        if type(step) is not int or step < 0:
+            got = json_value(step) if "step" in record else "missing"
+            raise DataError(f"{where}: 'step' is {got}; each record needs a whole number of steps >= 0")
+        for key in _NUMBERS & record.keys():
+            value = record[key]
+            if value is not None and not _is_number(value):
+                raise DataError(f"{where}: {key!r} is {json_value(value)}; it must be a number or null")
+        records.append(record)
     return records
+
+
+def json_value(value: Any) -> str:
+    """A parsed JSON value for a message, as it was written: 'null', 'string "2"', 'array [1, 2]' (40 characters)."""
+    return "null" if value is None else f"{json_type(value)} {json.dumps(value)[:40]}"
+
+
+def _is_number(value: Any) -> bool:
+    """A JSON number that converts to a float (NaN and infinities included; not a bool, not past 1e308)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 class MetricsLogger:
@@ -119,7 +204,7 @@ class MetricsLogger:
         progress: "auto" (a rich bar on a terminal, plain lines otherwise), "bar",
             "lines" or "none" (no progress output; files and ``info`` lines still go out).
         jsonl_name: File name of the JSONL log inside ``run_dir``.
-        console: Console to print to (default: a new one on stdout).
+        console: Console to print to (default: a BestEffortConsole on stdout).
     """
 
     def __init__(
@@ -158,7 +243,7 @@ class MetricsLogger:
             # purge_step hides events a killed run wrote after the checkpoint we resume from.
             purge = start_step + 1 if start_step > 0 else None
             self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
-        self.console = console if console is not None else Console()
+        self.console = console if console is not None else BestEffortConsole()
         if progress == "auto":
             progress = "bar" if self.console.is_terminal else "lines"
         self.mode = progress

@@ -6,6 +6,8 @@ stopped on purpose), because an exit code does not survive every launcher (torch
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
@@ -17,7 +19,12 @@ STATUS_FILE = "status.json"
 
 
 def write_status(run_dir: Path, state: str, **fields: Any) -> None:
-    """Replace the run's status atomically, stamped with the time, host and Slurm job (if any)."""
+    """Replace the run's status, stamped with the time, host and Slurm job (if any): atomically, or in place
+    when the disk has no room for a new file.
+
+    Raises:
+        OSError: Neither way could write it (the caller decides whether that ends the run).
+    """
     record = {
         "state": state,
         "time": time.time(),
@@ -26,15 +33,36 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
         "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
         **fields,
     }
+    text = json.dumps(record, default=str) + "\n"
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(record, default=str) + "\n")
-    os.replace(tmp, run_dir / STATUS_FILE)
+    path, tmp = run_dir / STATUS_FILE, run_dir / f".{STATUS_FILE}.tmp"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if not path.is_file():
+            raise
+        # A full disk (or quota) has no block for a new file, but status.json already holds one, and a record of a
+        # few hundred bytes rewritten over it in place needs no other: so "failed" still reaches the launchers
+        # that read it (they would wait on "running"). Not atomic, so only when the atomic way failed; no
+        # O_TRUNC, which would free the block before the write needs it.
+        data = text.encode()
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            written = os.write(fd, data)
+            os.ftruncate(fd, written)
+        finally:
+            os.close(fd)
+        if written < len(data):
+            raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written", str(path))
 
 
 def read_status(run_dir: Path) -> dict[str, Any] | None:
-    """The last status written, or None if there is none (or it is unreadable)."""
+    """The last status written, or None if there is none (or it is unreadable, or not a status)."""
     try:
-        return json.loads((run_dir / STATUS_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
+        status = json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
+    return status if isinstance(status, dict) and isinstance(status.get("state"), str) else None

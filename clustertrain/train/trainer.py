@@ -248,7 +248,7 @@ class Trainer:
             return self.finish()
         except Preempted:
             raise
-        except (Exception, KeyboardInterrupt) as e:  # never left "running": launchers would wait for it forever
+        except (Exception, KeyboardInterrupt, SystemExit) as e:  # never left "running": launchers would wait forever
             first = None if isinstance(e, KeyboardInterrupt) else first_failure(e)  # of any rank
             if self._records_failure(first):
                 error = f"{type(e).__name__}: {e}" if first is None or first.rank == 0 else str(first)

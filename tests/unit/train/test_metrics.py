@@ -174,3 +174,27 @@ def test_tensorboard_resume_hides_steps_after_checkpoint(tmp_path):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
+@pytest.mark.parametrize("progress", ["lines", "bar"])
+def test_a_closed_stdout_silences_the_console_and_the_run_goes_on(tmp_path, monkeypatch, progress):
+    """`clustertrain train | head -4`: once the reader is gone, output stops and the logger goes on (rich alone
+    answers a closed pipe with SystemExit(1)); stdout then points at /dev/null, so the exit flush cannot fail."""
+    import os
+
+    read_end, write_end = os.pipe()
+    stdout = os.fdopen(write_end, "w")
+    monkeypatch.setattr("sys.stdout", stdout)
+    try:
+        with MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress=progress) as log:
+            log.info("starting")
+            os.close(read_end)  # the reader went away
+            for step in range(1, 5):
+                log.log(step, {"loss": 1.0 / step})
+                log.info(f"after step {step}")
+        assert log.console.quiet
+        print("text for nobody", file=stdout, flush=True)  # the descriptor is /dev/null now
+        assert os.path.samestat(os.fstat(stdout.fileno()), os.stat(os.devnull))
+    finally:
+        stdout.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]

@@ -1,8 +1,13 @@
-"""Trainer pieces that need no process group."""
+"""Trainer pieces, in this process: without a process group, or one rank."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
 from clustertrain.train.metrics import MetricsLogger
+from clustertrain.train.status import read_status
 from clustertrain.train.trainer import Trainer
 
 
@@ -20,3 +25,18 @@ def test_a_failed_sample_is_one_warning_not_a_failed_run(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "warning: the end-of-run sample failed (RuntimeError: aten.embedding" in out
     assert f"clustertrain generate {tmp_path}" in out
+
+
+@pytest.mark.dist  # builds and starts the tiny model in this process
+def test_a_run_ended_by_system_exit_is_recorded_failed(tmp_path, monkeypatch):
+    """rich answers a closed stdout with SystemExit(1); whatever raises it, status.json must not stay "running"."""
+    from helpers import TINY
+
+    from clustertrain.config.load import load_config
+
+    monkeypatch.setattr(Trainer, "train_steps", lambda self, n: sys.exit(1))
+    with pytest.raises(SystemExit):
+        Trainer(load_config(None, [*TINY, f"train.run_dir={tmp_path}", "train.steps=2"])).run()
+    status = read_status(tmp_path)
+    assert status["state"] == "failed", status
+    assert (status["step"], status["error"]) == (0, "SystemExit: 1")

@@ -1,0 +1,64 @@
+"""`clustertrain plot` on a hostile metrics.jsonl, in-process through the CLI's main(): exit 2 and one `error:` line
+naming the file and line, never a traceback. What a run writes (NaN, null, a cut last line) still plots."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from clustertrain.cli import main
+
+GOOD = [json.dumps({"step": s, "loss": 5.0 / s, "tokens_per_s": 1000.0, "eta_s": None}) for s in range(1, 5)]
+
+
+def lines(*bad: str, at: int = 2) -> str:
+    """The good records with `bad` lines in place of line `at`, each line ending with its newline."""
+    return "".join(line + "\n" for line in [*GOOD[: at - 1], *bad, *GOOD[at:]])
+
+
+BAD = {
+    "not JSON": (lines("not json"), r"2: malformed JSON \(Expecting value at column 1\)"),
+    "half an object mid-file": (lines('{"step": 2, "lo'), r"2: malformed JSON \(Unterminated string"),
+    "a bad last line that has its newline": (lines("{", at=4), r"4: malformed JSON"),
+    "an array": (lines("[1, 2]"), r"2: not a JSON object \(got array\)"),
+    "null": (lines("null"), r"2: not a JSON object \(got null\)"),
+    "a number": (lines("7"), r"2: not a JSON object \(got number\)"),
+    "nested too deeply": (lines("[" * 100_000), r"2: malformed JSON \(nested too deeply\)"),
+    "a 5,000-digit loss": (lines('{"step": 2, "loss": ' + "9" * 5000 + "}"), r"2: malformed JSON \(Exceeds the limit"),
+    "not UTF-8": (lines('{"step": 2, "loss": "\xff"}'.encode("latin-1").decode("utf-8", "surrogateescape")),
+                  r"2: not UTF-8 text \(byte 0xff at column 22\)"),
+    "no step": (lines('{"loss": 1.0}'), r"2: 'step' is missing; each record needs a whole number of steps >= 0"),
+    "a step that is a string": (lines('{"step": "2", "loss": 1.0}'), r"2: 'step' is string \"2\""),
+    "a step that is a float": (lines('{"step": 2.5, "loss": 1.0}'), r"2: 'step' is number 2.5;"),
+    "a step that is true": (lines('{"step": true, "loss": 1.0}'), r"2: 'step' is boolean true;"),
+    "a negative step": (lines('{"step": -1, "loss": 1.0}'), r"2: 'step' is number -1;"),
+    "a loss that is a string": (lines('{"step": 2, "loss": "low"}'),
+                                r"2: 'loss' is string \"low\"; it must be a number or null"),
+    "a loss that is a list": (lines('{"step": 2, "loss": [1]}'), r"2: 'loss' is array \[1\];"),
+    "an eval loss that is an object": (lines('{"step": 2, "eval_loss": {"a": 1}}'), r"2: 'eval_loss' is object {\"a\": 1};"),
+    "tokens/s that is a boolean": (lines('{"step": 2, "tokens_per_s": false}'), r"2: 'tokens_per_s' is boolean false;"),
+    "a loss past a float": (lines('{"step": 2, "loss": 1' + "0" * 400 + "}"), r"2: 'loss' is number 10{39};"),
+}
+
+
+@pytest.mark.parametrize("text, message", BAD.values(), ids=BAD.keys())
+def test_a_bad_metrics_file_is_one_line_naming_the_file_and_line(tmp_path, capsys, text, message):
+    pytest.importorskip("matplotlib")  # plot checks for it first
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: {path}:"), err
+    assert re.search(message, err), err
+    assert not (tmp_path / "curves.png").exists()
+
+
+def test_what_a_run_writes_still_plots(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    records = [*GOOD, '{"step": 5, "loss": NaN, "lr": Infinity, "note": "text", "mfu": null}', '{"step": 6, "lo']
+    (tmp_path / "metrics.jsonl").write_text("\n".join(records))  # the last line cut by a kill: no newline
+    assert main(["plot", str(tmp_path)]) == 0, capsys.readouterr().err
+    assert (tmp_path / "curves.png").stat().st_size > 0
