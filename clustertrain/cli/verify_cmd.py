@@ -105,17 +105,10 @@ def run_verify(args: argparse.Namespace) -> int:
         if code != 0:
             return code
         runs[name] = logged_steps(out / name)
-    dtype = ran_param_dtype(out / "layout")
+    dtype = compute_dtype(layout.parallel)
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[dtype]
     return compare(runs["layout"], runs["reference"], tolerance,
                    f"for {dtype}" if args.tolerance is None else "(--tolerance)")
-
-
-def ran_param_dtype(run_dir: Path) -> str:
-    """The compute dtype a run used (`parallel.param_dtype` as resolved on its device), from its config.yaml."""
-    import yaml
-
-    return yaml.safe_load((run_dir / "config.yaml").read_text())["parallel"]["param_dtype"]
 
 
 def verify_overrides(steps: int, run_dir: Path) -> list[str]:
@@ -150,7 +143,15 @@ def describe_layout(parallel: ParallelConfig) -> str:
         field = ParallelConfig.model_fields.get(key)
         if field is not None and getattr(parallel, key) != field.get_default(call_default_factory=True):
             parts.append(f"{key}={getattr(parallel, key)}")
-    return ", ".join([*parts, parallel.param_dtype])
+    return ", ".join([*parts, compute_dtype(parallel)])
+
+
+def compute_dtype(parallel: ParallelConfig) -> str:
+    """`parallel.param_dtype` as the runs resolve it on this machine's devices (auto: bfloat16 on a GPU)."""
+    from clustertrain.distributed.init import device_type
+    from clustertrain.parallel.apply import resolve_param_dtype
+
+    return resolve_param_dtype(parallel.param_dtype, device_type(parallel))
 
 
 def run_training(config: str | None, nproc: int, overrides: list[str], out: Path, name: str) -> int:

@@ -15,10 +15,14 @@ from clustertrain.distributed.env import RankInfo
 from clustertrain.errors import ConfigError
 
 
+def device_type(parallel: ParallelConfig) -> str:
+    """"cuda" where `parallel.device` asks for GPUs or (auto) torch sees one (ROCm builds report as cuda too)."""
+    return "cuda" if parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
 def pick_device(parallel: ParallelConfig, info: RankInfo) -> torch.device:
-    """cuda:<local rank> on GPU nodes (ROCm builds report as cuda too), else cpu."""
-    use_cuda = parallel.device == "cuda" or (parallel.device == "auto" and torch.cuda.is_available())
-    if not use_cuda:
+    """cuda:<local rank> on GPU nodes, else cpu."""
+    if device_type(parallel) == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("parallel.device = 'cuda' but this torch build sees no GPU; use auto or cpu")
