@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-fast test-oldest test-gpu wheelhouse bench clean
+.PHONY: install demo test test-fast mutants test-oldest test-gpu wheelhouse bench clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not dist"
+
+# Classic training faults (tests/mutants.yaml) planted one at a time in a copy of the repo: which the tests catch.
+mutants: install
+	$(PY) scripts/mutants.py --baseline
 
 # The oldest supported torch (PyPI's build: CUDA, run on the CPU here) on a smoke subset: 1 rank, 2-rank zero3
 # with resume, LoRA and its export; then the exports load under transformers 4.57 (tests/compat/export_compat.py).

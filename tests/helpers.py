@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from forkserver import SERVER, Forked
 
 from clustertrain.train.metrics import read_jsonl
 from clustertrain.train.status import read_status
@@ -56,10 +60,22 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300,
     return result
 
 
+def popen(argv: list[str], env: dict[str, str] | None = None, cwd: Path | None = None, fresh: bool = False,
+          preexec_fn=None) -> subprocess.Popen | Forked:
+    """Start `python ARGV` in a session of its own, its output piped. `python -m clustertrain ...` is forked from
+    the fork server (tests/forkserver.py), which has imported torch and transformers already, unless `fresh` asks
+    for a new interpreter (what the test checks happens while torch imports) or a fork could not behave like one."""
+    env = {**os.environ, **ONE_THREAD, **(env or {})}
+    if argv[:2] == ["-m", "clustertrain"] and not fresh and preexec_fn is None and SERVER.can_fork(argv[2:], env):
+        return SERVER.popen(argv[2:], env, cwd)
+    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True, cwd=cwd,
+                            preexec_fn=preexec_fn)
+
+
 def _run_once(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: Path | None,
               ) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **ONE_THREAD, **(env or {})}, start_new_session=True, cwd=cwd)
+    proc = popen(argv, env, cwd)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -123,15 +139,14 @@ def check_ending(run_dir: Path, result: subprocess.CompletedProcess, expect: int
             assert re.search(r"^       sample  \s*\S", result.stdout, re.M), f"no end-of-run sample\n{output}"
 
 
-def start(run_dir: Path, *overrides: str, nproc: int | None = 2, preexec_fn=None) -> subprocess.Popen:
+def start(run_dir: Path, *overrides: str, nproc: int | None = 2, preexec_fn=None,
+          fresh: bool = False) -> subprocess.Popen | Forked:
     """Start training the tiny model in the background, in a session of its own (for signals and kills);
-    `nproc=None` runs one rank without the `--nproc` launcher. A run the test leaves running is killed after it."""
+    `nproc=None` runs one rank without the `--nproc` launcher; `fresh`: in a new interpreter (see `popen`). A run
+    the test leaves running is killed after it."""
     args = [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clustertrain", "train", *(["--nproc", str(nproc)] if nproc else []), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, preexec_fn=preexec_fn,
-        env={**os.environ, **ONE_THREAD},
-    )
+    proc = popen(["-m", "clustertrain", "train", *(["--nproc", str(nproc)] if nproc else []), *args],
+                 preexec_fn=preexec_fn, fresh=fresh)
     STARTED.append(proc)
     return proc
 
@@ -276,6 +291,21 @@ def write_tiny_repo(folder: Path) -> Path:
     tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(folder)
     return folder
+
+
+def write_docs_and_sft(root: Path, count: int = 300) -> None:
+    """`count` records each in root/docs.jsonl (short documents, several to a 64-token row) and root/sft.jsonl
+    (prompts and completions of many lengths, so rows hold different numbers of loss tokens)."""
+    rng = random.Random(0)
+    words = ["the", "river", "sang", "slowly", "def", "return", "class", "import", "stone", "light"]
+    with (root / "docs.jsonl").open("w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 25)))}) + "\n")
+    with (root / "sft.jsonl").open("w") as f:
+        for _ in range(count):
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            completion = " ".join([str(a + b), *rng.choices(words, k=rng.choice([0, 0, 1, 4, 12]))])
+            f.write(json.dumps({"prompt": f"What is {a} plus {b}? ", "completion": completion}) + "\n")
 
 
 def run_ranks(rank_fn, run_dir: Path, overrides: list[str]) -> None:

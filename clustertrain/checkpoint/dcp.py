@@ -3,7 +3,7 @@
 Every rank writes its shards and RNG state into `checkpoints/.tmp-step-NNNNNNN/` (`write_shards`); once
 all have finished, rank 0 adds the train state, the resolved config and the tokenizer and renames the
 folder to `step-NNNNNNN/` (`commit`). A folder with the final name is therefore always complete; a
-leftover `.tmp-*` is an interrupted save and is removed.
+leftover `.tmp-*` is an interrupted save and is removed, or published if it was stopped after its last write.
 """
 
 from __future__ import annotations
@@ -36,6 +36,15 @@ from clustertrain.distributed.collectives import rank_device
 from clustertrain.errors import CheckpointError
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
+
+
+def _nothing_to_do(name: str) -> None:
+    pass
+
+
+# Called after each write of a save with the name of what was just written (then with the step folder's name once
+# it is published): tests replace it to stop a save between two writes (tests/unit/checkpoint/test_commit_steps.py).
+after_write: Callable[[str], None] = _nothing_to_do
 
 
 def step_dir_name(step: int) -> str:
@@ -74,6 +83,7 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
         tmp.mkdir(parents=True)
     dist.barrier()
     _write_json(tmp / f"rng-{dist.get_rank()}.json", rng_state())
+    after_write(f"rng-{dist.get_rank()}.json")
     parts = _parts(model, optimizer)
     options = StateDictOptions(ignore_frozen_params=trainable_only)
     states = [get_state_dict(module, optim, options=options) for module, optim in parts]
@@ -82,6 +92,7 @@ def write_shards(root: Path, step: int, model: nn.Module | list[nn.Module], opti
                                     for (module, _), (_, optim_state) in zip(parts, states)])}
     if async_group is None:
         dcp.save(state, checkpoint_id=tmp)
+        after_write("shards and .metadata")
         return None
     return dcp.async_save(state, checkpoint_id=tmp, process_group=async_group, **(staging or {}))
 
@@ -116,11 +127,17 @@ def commit(root: Path, step: int, train_state: dict[str, Any], write_extras: Cal
     dist.barrier()  # every rank's shards are on disk
     if dist.get_rank() == 0:
         write_extras(tmp)
-        _write_json(tmp / TRAIN_STATE, train_state)
-        if final.exists():
-            discard(final)
+        after_write("config.yaml and tokenizer")
+        _write_json(tmp / TRAIN_STATE, train_state)  # last: a folder with a train state is complete
+        after_write(TRAIN_STATE)
+        old = final.with_name(f".trash-{final.name}-{os.getpid()}")
+        if final.exists():  # saved before (a resume from an earlier checkpoint): kept until the new one is published
+            os.replace(final, old)
+            after_write(old.name)
         os.replace(tmp, final)
         _fsync_dir(root)  # the rename itself survives a node crash
+        after_write(final.name)
+        shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -356,10 +373,18 @@ def move_aside(run_dir: Path) -> Path:
 
 
 def remove_incomplete(root: Path) -> None:
-    """Delete the leftovers of interrupted saves and deletions (rank 0 only)."""
-    if root.is_dir():
-        for p in [*root.glob(".tmp-step-*"), *root.glob(".trash-step-*")]:
-            shutil.rmtree(p, ignore_errors=True)
+    """Delete the leftovers of interrupted saves and deletions (rank 0 only). A save stopped after its last write
+    (its train state) but before its rename is complete: it is published, unless its step is there already."""
+    if not root.is_dir():
+        return
+    for tmp in root.glob(".tmp-step-*"):
+        final = tmp.with_name(tmp.name.removeprefix(".tmp-"))
+        if (tmp / TRAIN_STATE).is_file() and not final.exists():
+            os.replace(tmp, final)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    for trash in root.glob(".trash-step-*"):
+        shutil.rmtree(trash, ignore_errors=True)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ state is never read (export) or written (import).
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 import pickle
@@ -32,7 +33,8 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from clustertrain.checkpoint.base import check_base
 from clustertrain.checkpoint.compat import write_legacy_config, write_portable_tokenizer_class
-from clustertrain.checkpoint.dcp import latest_checkpoint, with_hint
+from clustertrain.checkpoint.dcp import STEP_DIR, latest_checkpoint, list_checkpoints, with_hint
+from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, OpenedCheckpoint, check_fits, first_line,
                                             load_state, open_checkpoint)
 from clustertrain.checkpoint.stream import (Snapshot, check_checkpoint_fits, load_adapters, plan_entries,
@@ -165,6 +167,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | i
 
     out_dir = Path(out_dir)
     _refuse_non_empty(out_dir)
+    _refuse_checkpoints_folder(out_dir)
     ckpt = open_for_export(ckpt_dir)
     dtype = dtype or ckpt.train_dtype
     if isinstance(max_shard_size, str):
@@ -173,6 +176,9 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | i
     metadata = ckpt.opened.metadata
     check_checkpoint_fits(ckpt.path, metadata, model, base_elsewhere=ckpt.base is not None)
     lora = is_lora(model)
+    if merge and not lora:
+        raise CheckpointError(f"--merge: {ckpt.path} is not a LoRA run, so there is no adapter to merge; "
+                              "export it without --merge (the full model)")
 
     def write(folder: Path) -> None:
         with warnings.catch_warnings():
@@ -295,21 +301,63 @@ def _refuse_non_empty(out_dir: Path) -> None:
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
 
 
+def _refuse_checkpoints_folder(out_dir: Path) -> None:
+    """Refuse an export into a checkpoint or a run's checkpoints/ folder: it would be taken for a checkpoint, or
+    removed as an interrupted one (its hidden `.tmp-step-N` sibling is the name of a save in flight)."""
+    out = out_dir.resolve()
+    if out.parent.name == "checkpoints" and STEP_DIR.match(out.name):
+        raise CheckpointError(f"{out_dir} is named like a checkpoint (checkpoints/step-N) and would be taken for "
+                              "one; export to another directory, e.g. exports/<name>")
+    for folder in out.parents:
+        if (folder / TRAIN_STATE).is_file():
+            raise CheckpointError(f"{out_dir} is inside the checkpoint {folder}; export to a directory of its own, "
+                                  "e.g. exports/<name>")
+        if folder.name == "checkpoints" and (list_checkpoints(folder) or (folder.parent / "status.json").is_file()):
+            raise CheckpointError(f"{out_dir} is inside the checkpoints folder of the run {folder.parent}, whose "
+                                  "saves and clean-ups own it; export to a directory of its own, e.g. exports/<name>")
+
+
+class ExportFailed(CheckpointError):
+    """The disk filled (or the quota) while writing an export: exit 74, as for a failed checkpoint save."""
+
+    exit_code = SAVE_FAILED_EXIT_CODE
+
+
+_NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}  # the user's choice of directory: exit 2
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
 def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
-    """Run `write` on a hidden sibling folder, then rename it to `out_dir`: a kill never leaves half a result."""
+    """Run `write` on a hidden sibling folder, then rename it to `out_dir`: a kill never leaves half a result, and
+    a directory that cannot be written or a full disk is one line, the partial result removed."""
     out_dir = out_dir.resolve()  # "." has no name to put beside it
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
-        write(tmp)
-    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        _follow_umask(tmp)
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty, checked before
+        os.replace(tmp, out_dir)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and (error := _write_error(e, out_dir, tmp)):
+            raise error from None
         raise
-    _follow_umask(tmp)
-    if out_dir.is_dir():
-        out_dir.rmdir()  # empty, checked before
-    os.replace(tmp, out_dir)
+
+
+def _write_error(e: OSError, out_dir: Path, tmp: Path) -> CheckpointError | None:
+    """The one line for a directory that cannot be written (exit 2) or a full disk (exit 74); None: another error."""
+    failed = Path(e.filename) if e.filename else tmp
+    where = tmp.parent if failed == tmp or tmp in failed.parents else failed  # not our hidden folder's name
+    reason = (e.strerror or "").lower()
+    if e.errno in _NOT_WRITABLE:
+        return CheckpointError(f"cannot write {out_dir}: {reason} in {where}; choose a directory you can write to")
+    if e.errno in _NO_SPACE:
+        return ExportFailed(f"writing {out_dir} failed: {reason} in {where}; the partial copy was removed and "
+                            "nothing else changed: free space and run it again")
+    return None
 
 
 def _follow_umask(folder: Path) -> None:

@@ -18,6 +18,8 @@ it prints the offline environment and the config line to train with.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -44,7 +46,7 @@ def run_download(args: argparse.Namespace) -> int:
     import sys
 
     from clustertrain.errors import UserError
-    from clustertrain.model.download import download, local_fetch
+    from clustertrain.model.download import download, hub_cache, local_fetch
 
     if args.from_dir and len(args.repo_ids) > 1:
         raise UserError(f"--from-dir copies one directory, so give one REPO_ID, not {len(args.repo_ids)}")
@@ -53,13 +55,17 @@ def run_download(args: argparse.Namespace) -> int:
     done, failed = [], []
     for repo_id in args.repo_ids:
         try:
-            result = download(repo_id, repo_type=repo_type, revision=args.revision, cache_dir=args.cache_dir,
-                              force=args.force, verify=args.verify, fetch=fetch, include=args.include,
-                              exclude=args.exclude)
+            with stop_at_once(repo_id, hub_cache(args.cache_dir)):
+                result = download(repo_id, repo_type=repo_type, revision=args.revision, cache_dir=args.cache_dir,
+                                  force=args.force, verify=args.verify, fetch=fetch, include=args.include,
+                                  exclude=args.exclude)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             failed.append(repo_id)
             continue
+        if result.partial_bytes:
+            print(f"removed {human_size(result.partial_bytes)} of partial files that a stopped download of {repo_id} "
+                  "had left")
         what = f"{repo_type} {repo_id} ({result.files} files, {human_size(result.size_bytes)})"
         if result.fetched:
             print(f"downloaded {what} into {result.snapshot} (why: {result.reason}); every file hashed and recorded")
@@ -72,6 +78,36 @@ def run_download(args: argparse.Namespace) -> int:
     if failed and len(args.repo_ids) > 1:
         print(f"error: {len(failed)} of {len(args.repo_ids)} downloads failed: {', '.join(failed)}", file=sys.stderr)
     return 2 if failed else 0
+
+
+@contextlib.contextmanager
+def stop_at_once(repo_id: str, cache) -> Iterator[None]:
+    """While downloading `repo_id`, a stop signal (SIGTERM from `kill` or a job's end, Ctrl-C) ends the command at
+    once: one line, this download's partial files removed, exit 75 (run the same command again to finish it).
+
+    At once rather than by an exception: the hub client's download threads would finish every file first. Files
+    already complete stay in the cache, and the next download fetches only what is missing."""
+    import os
+    import signal
+    import sys
+
+    from clustertrain.distributed.stop import REQUEUE_EXIT_CODE, STOP_SIGNALS
+    from clustertrain.model.download import remove_own_partial_files
+
+    def stop(signum: int, _frame) -> None:
+        freed = remove_own_partial_files(cache)
+        removed = f"its partial files ({human_size(freed)}) removed" if freed else "no partial file left"
+        with contextlib.suppress(OSError):
+            print(f"\nerror: the download of {repo_id} was stopped by {signal.Signals(signum).name}; {removed}, "
+                  "complete files kept: run the same command again to finish it", file=sys.stderr, flush=True)
+        os._exit(REQUEUE_EXIT_CODE)
+
+    previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def print_usage(args: argparse.Namespace, done: list) -> None:

@@ -65,6 +65,11 @@ def _one_batch_form(raw: dict[str, Any], keys: list[str]) -> None:
 
 def read_config_file(path: Path) -> dict[str, Any]:
     """Parse a config file by its extension into a plain dict."""
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; give the .yaml, .yml or .toml file in it to read")
+    if path.exists() and not path.is_file():  # reading a FIFO could block forever, /dev/zero never end
+        raise ConfigError(f"config file {path} is not a regular file (a FIFO, device or socket); give a .yaml, .yml "
+                          "or .toml file")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     text = read_utf8(path, "config file")

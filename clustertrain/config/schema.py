@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import math
 import re
+import unicodedata
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -198,6 +199,10 @@ class DataConfig(Section):
     )
     vocab_size: int = Field(4096, ge=300, description="Vocabulary size of a tokenizer trained locally.")
     eval_fraction: float = Field(0.01, ge=0, lt=0.5, description="Share of each source's documents held out.")
+    eval_split: Literal["spread", "tail"] = Field(
+        "spread", description="Held-out documents spread over each whole source, or its last ones (`tail`: how runs "
+        "began before this setting; their data positions resume only with it).",
+    )
     eval_sources: list[SourceConfig] | None = Field(
         None, min_length=1, description="A separate held-out set, read whole by evaluation (entries as in sources); "
         "data.sources are then not split, and eval_fraction is not used.",
@@ -378,6 +383,16 @@ class MetricsConfig(Section):
     )
 
 
+MAX_NODES = 100_000  # more than any Slurm cluster has: a larger count is a typo, not a job
+JOB_NAME_MAX = 200  # squeue and sacct show far less: a longer job name is a mistake, not a label
+
+
+def control_character(value: str) -> str | None:
+    """The first control character in `value` (tabs aside), or None: in a job name or option such bytes reach
+    every terminal that shows squeue, sacct or the job script, and can rewrite what it shows."""
+    return next((c for c in value if unicodedata.category(c) == "Cc" and c != "\t"), None)
+
+
 class SlurmConfig(Section):
     preset: str = Field(
         "generic", description="Cluster preset: frontier, perlmutter, generic, or the path of your own preset YAML "
@@ -386,7 +401,7 @@ class SlurmConfig(Section):
     account: str | None = Field(None, description="Allocation to charge (--account).")
     partition: str | None = Field(None, description="Partition (--partition); default: the preset's.")
     qos: str | None = Field(None, description="Quality of service (--qos); default: the preset's.")
-    nodes: int = Field(1, gt=0, description="Nodes (--nodes).")
+    nodes: int = Field(1, gt=0, le=MAX_NODES, description=f"Nodes (--nodes), at most {MAX_NODES:,}.")
     gpus_per_node: int | None = Field(None, ge=0, description="GPUs per node; default: the preset's (0 = CPU only).")
     tasks_per_node: int | None = Field(
         None, gt=0, description="Ranks per node; default: one per GPU, or 1 on CPU-only nodes."
@@ -396,7 +411,9 @@ class SlurmConfig(Section):
         "01:00:00", description=f"Time limit of each job, as sbatch --time takes it: {SLURM_TIME_FORMS} (a bare "
         "number is minutes), or UNLIMITED."
     )
-    job_name: str | None = Field(None, description="Job name; default: the run name.")
+    job_name: str | None = Field(
+        None, description=f"Job name, at most {JOB_NAME_MAX} printable characters; default: the run name."
+    )
     output: str | None = Field(None, description="Job log path (%j = job id); default <run_dir>/slurm/%j.out.")
     signal_before: int = Field(
         300, ge=10, description="Seconds before the time limit that Slurm sends USR1 (--signal=B:USR1@N): the run "
@@ -436,6 +453,10 @@ class SlurmConfig(Section):
         for name, v in single_line.items():
             if v is not None and ("\n" in v or "\r" in v):
                 raise ValueError(f"slurm.{name}: values must be one line each: a newline would end the #SBATCH line")
+            if v is not None and (c := control_character(v)):
+                raise ValueError(f"slurm.{name}: holds the control character {c!r}; use printable characters only")
+        if self.job_name is not None and len(self.job_name) > JOB_NAME_MAX:
+            raise ValueError(f"slurm.job_name: {len(self.job_name):,} characters; at most {JOB_NAME_MAX}")
         for option in self.sbatch:
             if option in ("time", "t"):
                 raise ValueError(f"sbatch: {option!r} is set by slurm.time (checked against slurm.signal_before); "

@@ -19,20 +19,25 @@ from clustertrain.distributed.collectives import gather_objects
 
 
 class AuditLog:
-    """Appends the global batch's fingerprints (gathered from every rank) to `path` on rank 0."""
+    """Appends the global batch's fingerprints (gathered from every rank) to `path` on rank 0.
 
-    def __init__(self, path: Path, labels: list[str]):
-        self.path, self.labels = path, labels
+    Ranks that differ only in their tensor- or pipeline-parallel place read the same rows: the rows of each
+    data-parallel rank (`dp_rank`, from the mesh) count once.
+    """
+
+    def __init__(self, path: Path, labels: list[str], dp_rank: int = 0):
+        self.path, self.labels, self.dp_rank = path, labels, dp_rank
         self._file = None
 
     def record(self, step: int, origins: list[tuple]) -> None:
         """Every rank calls this with its rows' origins (stream, slot, document, offset, epoch)."""
-        parts = [origins]
+        parts = [(self.dp_rank, origins)]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            parts = gather_objects(origins)
+            parts = gather_objects(parts[0])
             if parts is None:
                 return
-        rows = sorted(row for part in parts for row in part)
+        by_dp_rank = dict(parts)  # tp and pp peers hand in the same rows: one copy each
+        rows = sorted(row for part in by_dp_rank.values() for row in part)
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")

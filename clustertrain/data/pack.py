@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from clustertrain.data.holdout import SplitSource
 from clustertrain.data.mixture import choose, window_permutation
-from clustertrain.data.sources import Document, Source
+from clustertrain.data.sources import Document
 from clustertrain.errors import DataError
 
 IGNORE_INDEX = -100
@@ -34,10 +35,11 @@ Encoder = Callable[[list[Document]], list[Encoded | None]]  # None: a bad record
 
 
 class DocumentOrder:
-    """The documents of `source[lo:hi]` in this stream's order (rotated by `rotate`, and starting `phase` into the
-    first document, when streams share the slice)."""
+    """The documents at positions [lo, hi) of `source` (one side of its held-out split: position p is document
+    `source.index(p)`) in this stream's order (rotated by `rotate`, and starting `phase` into the first document,
+    when streams share the slice)."""
 
-    def __init__(self, source: Source, lo: int, hi: int, rotate: int, buffer: int, key: tuple[int, ...],
+    def __init__(self, source: SplitSource, lo: int, hi: int, rotate: int, buffer: int, key: tuple[int, ...],
                  encode: Encoder, phase: float = 0.0):
         if hi <= lo:
             raise DataError(f"data source {source.label!r} has no documents to read")
@@ -54,7 +56,7 @@ class DocumentOrder:
         if self._shuffle is None or self._shuffle[:2] != (epoch, window):
             self._shuffle = (epoch, window, window_permutation(size, *self.key, epoch, window))
         shuffled = window * self.buffer + int(self._shuffle[2][offset])
-        index = self.lo + (shuffled + self.rotate) % self.length
+        index = self.source.index(self.lo + (shuffled + self.rotate) % self.length)
         return index, self._load(window, size)[index]
 
     def _load(self, window: int, size: int) -> dict[int, Encoded | None]:
@@ -63,7 +65,7 @@ class DocumentOrder:
             pieces = [(start, min(start + size, self.length)), (0, max(0, start + size - self.length))]
             docs = [d for a, b in pieces if b > a for d in self.source.read(self.lo + a, self.lo + b)]
             encoded = dict.fromkeys(
-                (self.lo + (start + j) % self.length for j in range(size)), None
+                (self.source.index(self.lo + (start + j) % self.length) for j in range(size)), None
             )  # records the source skipped stay None
             encoded.update(zip((d.index for d in docs), self.encode(docs)))
             self._window = (window, encoded)
@@ -157,17 +159,21 @@ class Packer:
         return self._next_example_pack() if self.whole_examples else self._next_window()
 
     def _current(self) -> tuple[int, int, Encoded]:
+        bad = 0  # records skipped as bad (on_bad_data: skip), the others of the pass being empty
         for _ in range(self.cursor.documents() + 1):  # a whole pass over every document, and one more
             slot, index, encoded = self.cursor.current()
             if encoded is not None and len(encoded.ids) > 1:
                 return slot, index, encoded
             self.skipped["empty or bad record"] += 1
+            bad += encoded is None
             self.cursor.advance()
-        raise DataError(
-            f"data source {self.labels[slot]}: every one of the {self.cursor.documents():,} documents this stream "
-            "reads was skipped (data.on_bad_data: skip), so there is nothing to train on; set data.on_bad_data: "
-            "error to see the first bad one"
-        )
+        documents = self.cursor.documents()
+        what = f"data source {self.labels[slot]}: every one of the {documents:,} documents this stream reads"
+        if not bad:  # always so under on_bad_data: error, where a bad record stops the run as it is read
+            raise DataError(f"{what} is empty (no text), so there is nothing to train on; give the source documents "
+                            "with text")
+        raise DataError(f"{what} was skipped as bad or empty (data.on_bad_data: skip), so there is nothing to train "
+                        "on; set data.on_bad_data: error to see the first bad one")
 
     def _next_window(self) -> Sequence:
         need, have = self.seq_len + 1, 0

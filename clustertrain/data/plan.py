@@ -1,4 +1,4 @@
-"""What a data config means: opened sources, train/eval document ranges, encoders, and the streams over them."""
+"""What a data config means: opened sources, their held-out splits, encoders, and the streams over them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from clustertrain.config.schema import DataConfig, SourceConfig
+from clustertrain.data.holdout import HeldOut, SplitSource
 from clustertrain.data.mixture import choose
 from clustertrain.data.pack import Cursor, DocumentOrder, Encoded, Packer, Sequence
 from clustertrain.data.sources import Document, open_source, text_of
@@ -69,14 +70,29 @@ class RandomStream:
         self.count = state["count"]
 
 
-def spec_changes(saved: Any, current: Any, key: str = "") -> list[str]:
+EVAL_FRACTION = "data.eval_fraction (0 with data.eval_sources)"  # keys of DataPlan.spec
+EVAL_SPLIT = "data.eval_split"
+
+
+def spec_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """"KEY: OLD -> NEW" for each value of a data spec (DataPlan.spec) that differs; equal-length lists item by item."""
+    saved, current = dict(saved), dict(current)
+    for spec in (saved, current):  # a spec that holds documents out without data.eval_split holds out the tail
+        if spec.get(EVAL_FRACTION, 0) > 0:
+            spec.setdefault(EVAL_SPLIT, "tail")
+    if EVAL_SPLIT not in saved or EVAL_SPLIT not in current:  # nothing held out on one side: no split to compare
+        saved.pop(EVAL_SPLIT, None)
+        current.pop(EVAL_SPLIT, None)
+    return _changes(saved, current)
+
+
+def _changes(saved: Any, current: Any, key: str = "") -> list[str]:
     if isinstance(saved, dict) and isinstance(current, dict):
         return [change for k in dict.fromkeys([*saved, *current])
-                for change in spec_changes(saved.get(k, _UNSET), current.get(k, _UNSET), f"{key}.{k}" if key else k)]
+                for change in _changes(saved.get(k, _UNSET), current.get(k, _UNSET), f"{key}.{k}" if key else k)]
     if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
         return [change for i, (old, new) in enumerate(zip(saved, current))
-                for change in spec_changes(old, new, f"{key}[{i}]")]
+                for change in _changes(old, new, f"{key}[{i}]")]
     return [] if saved == current else [f"{key}: {_shown(saved)} -> {_shown(current)}"]
 
 
@@ -136,7 +152,9 @@ class DataPlan:
         self.weights = tuple(s.weight for s in data.sources)
         self.sources = [] if data.mode == "random" else [self._open(s, cache_dir) for s in data.sources]
         self.eval_fraction = 0.0 if data.eval_sources else data.eval_fraction
-        self.ranges = [self._split(len(src)) for src in self.sources]
+        splits = [HeldOut(len(src), self.eval_fraction, data.eval_split) for src in self.sources]
+        self.splits = [{side: SplitSource(src, split, side) for side in ("train", "eval")}
+                       for src, split in zip(self.sources, splits)]  # source -> side -> its documents
         held_out = {"sources": data.eval_sources, "eval_sources": None, "eval_fraction": 0.0}  # read whole
         self.eval_plan = DataPlan(data.model_copy(update=held_out), tokenizer, num_streams, seed,
                                   cache_dir) if data.eval_sources else None
@@ -149,17 +167,11 @@ class DataPlan:
             return TokenSource(source, self.data.seq_len, vocab_size=vocab)
         return open_source(source, on_bad_data=self.data.on_bad_data, cache_dir=cache_dir)
 
-    def _split(self, n: int) -> dict[str, tuple[int, int]]:
-        held_out = round(n * self.eval_fraction) if n > 1 else 0
-        if self.eval_fraction > 0 and n > 1:
-            held_out = max(1, held_out)
-        return {"train": (0, n - held_out), "eval": (n - held_out, n)}
-
     def _notes(self) -> list[str]:
         """What a user should know of sources too small for the batch or for a held-out split."""
         notes, k = [], self.num_streams
-        for name, ranges in zip(self.names, self.ranges):
-            n = ranges["train"][1] - ranges["train"][0]
+        for name, sides in zip(self.names, self.splits):
+            n = len(sides["train"])
             if n < k and self.data.mode == "sft":
                 notes.append(f"data source {name}: {n} training example(s) for the {k} rows of a global batch, so "
                              "rows repeat examples; more examples give more variety")
@@ -167,7 +179,7 @@ class DataPlan:
                 how = " (a .txt corpus of one document per line: set text_unit: line)" if n == 1 else ""
                 notes.append(f"data source {name}: {n} training document(s) for the {k} rows of a global batch: each "
                              f"row starts at another point of them, so no two rows are the same{how}")
-            if self.eval_fraction > 0 and ranges["eval"][0] == ranges["eval"][1]:
+            if self.eval_fraction > 0 and not sides["eval"]:
                 notes.append(f"data source {name}: one document is too few to hold out data.eval_fraction = "
                              f"{self.data.eval_fraction} of it, so there is no evaluation; split it into more documents")
         return notes
@@ -178,8 +190,9 @@ class DataPlan:
         spec = {"data.sources": [s.model_dump() for s in d.sources], "data.mode": d.mode, "data.mix_by": d.mix_by,
                 "data.seq_len": d.seq_len, "data.shuffle_buffer": d.shuffle_buffer,
                 "data.seed (train.seed if unset)": self.seed,
-                "data.eval_fraction (0 with data.eval_sources)": self.eval_fraction,
-                "documents in data.sources": [len(s) for s in self.sources]}
+                EVAL_FRACTION: self.eval_fraction, "documents in data.sources": [len(s) for s in self.sources]}
+        if self.eval_fraction > 0 and d.eval_split != "tail":  # without it, a position saved before it stays valid
+            spec[EVAL_SPLIT] = d.eval_split
         return json.loads(json.dumps(spec, default=str))
 
     def fingerprint(self) -> str:
@@ -189,7 +202,7 @@ class DataPlan:
     def has_eval(self) -> bool:
         if self.eval_plan is not None:
             return True
-        return self.data.mode == "random" or all(hi > lo for lo, hi in (r["eval"] for r in self.ranges))
+        return self.data.mode == "random" or all(sides["eval"] for sides in self.splits)
 
     def for_split(self, split: str) -> tuple[DataPlan, str]:
         """The plan and its split that `split` reads: data.eval_sources, whole, for "eval" when they are set."""
@@ -241,13 +254,13 @@ class DataPlan:
                 return count
 
     def _order(self, i: int, s: int, split: str, buffer: int, key: tuple[int, ...]) -> DocumentOrder:
-        lo, hi = self.ranges[i][split]
+        lo, hi = 0, len(self.splits[i][split])
         n, k = hi - lo, self.num_streams
         if n >= k:  # disjoint contiguous slices, one per stream
             lo, hi, rotate, phase = lo + s * n // k, lo + (s + 1) * n // k, 0, 0.0
         else:  # too few documents to slice: every stream walks them all, from its own document and point in it
             rotate, phase = s % max(n, 1), (s // max(n, 1)) / -(-k // max(n, 1))
-        return DocumentOrder(self.sources[i], lo, hi, rotate, buffer, (*key, i), self._encoder(i), phase)
+        return DocumentOrder(self.splits[i][split], lo, hi, rotate, buffer, (*key, i), self._encoder(i), phase)
 
     def _pad_id(self) -> int:
         tok = self.tokenizer

@@ -12,6 +12,7 @@ import csv
 import hashlib
 import json
 import os
+import stat
 import uuid
 import zipfile
 from bisect import bisect_right
@@ -94,15 +95,32 @@ def _empty_on_disk(path: Path, bad: BadData) -> bool:
     return size == 0
 
 
+def special_kind(path: Path) -> str | None:
+    """What `path` is when it exists but is neither a regular file nor a directory ("a FIFO", "a character
+    device", ...), following symbolic links; None otherwise. Reading one could block forever or never end."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((kind for test, kind in kinds if test(mode)), None)
+
+
 def decode(raw: bytes, offset: int, location: str, bad: BadData) -> str | None:
-    """UTF-8 text of `raw` (found at byte `offset` of its file), or None after reporting it."""
+    """UTF-8 text of `raw` (found at byte `offset` of its file), or None after reporting it: bytes that are not
+    UTF-8, or a NUL byte, which text never holds (UTF-8 would take a file of NULs for text)."""
     if offset == 0 and raw.startswith(BOM):
         raw, offset = raw[len(BOM):], len(BOM)
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         bad.report("not UTF-8", f"{location}: not UTF-8 (byte 0x{raw[e.start]:02x} at offset {offset + e.start})")
         return None
+    if (nul := raw.find(b"\0")) >= 0:
+        bad.report("binary data", f"{location}: binary data, not UTF-8 text (a NUL byte at offset {offset + nul})")
+        return None
+    return text
 
 
 def check_text(text: str, what: str) -> str:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from clustertrain.config.schema import SourceConfig
 from clustertrain.data import readers
-from clustertrain.data.readers import BadData, Row, Shard, check_text, json_type
+from clustertrain.data.readers import BadData, Row, Shard, check_text, json_type, special_kind
 from clustertrain.errors import DataError
 
 EXTENSIONS = {
@@ -178,17 +178,15 @@ def resolve_files(pattern: str, fmt: str = "auto") -> tuple[str, list[Path]]:
     if path.is_dir():
         if fmt == "hf_disk" or (fmt == "auto" and _saved_dataset(path)):
             return "hf_disk", [path]
-        found = (
-            p for p in path.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(path).parts)
-        )
+        found = (p for p in path.rglob("*") if not any(s.startswith(".") for s in p.relative_to(path).parts))
         files = sorted(p for p in found if _format_of(p) == fmt or (fmt == "auto" and _format_of(p)))
+        files = regular_files(files, pattern)
         if not files:
             wanted = fmt if fmt != "auto" else "data"
             raise DataError(f"data source {pattern!r}: no {wanted} files ({', '.join(EXTENSIONS)}) in the directory")
-    elif path.is_file():
-        files = [path]
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    else:  # an existing path is itself, whatever glob would make of a [ or * in its name
+        matches = [path] if path.exists() else sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+        files = regular_files(matches, pattern)
         if not files:
             raise DataError(f"data source {pattern!r}: no such file, directory or matching files")
     if fmt == "hf_disk":
@@ -203,6 +201,17 @@ def resolve_files(pattern: str, fmt: str = "auto") -> tuple[str, list[Path]]:
         mixed = " and ".join(sorted(formats))
         raise DataError(f"data source {pattern!r}: mixes {mixed} files; set format or narrow the glob")
     return formats.pop(), files
+
+
+def regular_files(paths: list[Path], pattern: str) -> list[Path]:
+    """The regular files among `paths` (directories left out); a DataError for a FIFO or a device, which would
+    block a reader forever or never end (`/dev/zero`)."""
+    for path in paths:
+        if kind := special_kind(path):
+            what = repr(pattern) if path == Path(pattern).expanduser() else f"{pattern!r}: {path}"
+            raise DataError(f"data source {what} is {kind}, not a regular file; give a file, a directory or a glob "
+                            "of data files")
+    return [path for path in paths if path.is_file()]
 
 
 def _format_of(path: Path) -> str | None:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import DataConfig
 from clustertrain.data.plan import text_pieces
-from clustertrain.data.readers import check_text
+from clustertrain.data.readers import check_text, json_type
 from clustertrain.data.sources import open_source, text_of
 from clustertrain.data.tokens import is_token_source
 from clustertrain.errors import DataError
@@ -57,11 +57,51 @@ def load_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase | None:
         raise DataError(f"data.tokenizer: {problem}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.tokenizer: cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # noqa: BLE001 - on a garbage file transformers raises KeyError, AttributeError, ...
+        problem = tokenizer_files_problem(path) or f"cannot load a tokenizer from {path}: {_first_line(e)}"
+        raise DataError(f"data.tokenizer: {problem}") from None
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {path} defines no eos_token, which packing needs between documents")
     return tokenizer
+
+
+# The files of a tokenizer transformers can load: a fast tokenizer's tokenizer.json, or a slow one's vocabulary.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt", "tekken.json")
+
+
+def tokenizer_files_problem(path: Path) -> str | None:
+    """Why the folder `path` holds no tokenizer transformers could load, or None: none of TOKENIZER_FILES, a
+    tokenizer.json the tokenizers library cannot read (or without the list transformers reads), a config file that
+    is not a JSON object."""
+    from tokenizers import Tokenizer
+
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return (f"{path} holds no tokenizer: expected tokenizer.json (as save_pretrained writes it), or a slow "
+                "tokenizer's tokenizer.model or vocab.json with merges.txt")
+    file = path / "tokenizer.json"
+    if file.is_file():
+        try:
+            Tokenizer.from_file(str(file))
+            value = json.loads(file.read_bytes())
+        except Exception as e:  # noqa: BLE001 - the Rust library raises a bare Exception
+            return (f"{file} is not a tokenizer the tokenizers library reads ({_first_line(e)}); write it with "
+                    "save_pretrained")
+        if not isinstance(value.get("added_tokens"), list):  # the library defaults it, transformers needs it
+            return f"{file} has no \"added_tokens\" list, which transformers reads; write it with save_pretrained"
+    for file in (path / "tokenizer_config.json", path / "special_tokens_map.json"):
+        try:
+            value = json.loads(file.read_bytes())
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            return f"{file} is not JSON ({_first_line(e)}); write it with save_pretrained"
+        if not isinstance(value, dict):
+            return f"{file} holds a JSON {json_type(value)}, not an object; write it with save_pretrained"
+    return None
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def train_bpe(data: DataConfig, out_dir: Path) -> None:

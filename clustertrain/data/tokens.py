@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from clustertrain.config.schema import SourceConfig
-from clustertrain.data.sources import Document
+from clustertrain.data.sources import Document, regular_files
 from clustertrain.errors import DataError
 
 
@@ -59,10 +59,9 @@ def _files(pattern: str) -> list[Path]:
     path = Path(pattern).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in (".npy", ".bin"))
-    elif path.is_file():
-        files = [path]
     else:
-        files = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+        files = [path] if path.exists() else sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+    files = regular_files(files, pattern)
     if not files:
         raise DataError(f"data source {pattern!r}: no such file, directory or matching .npy/.bin files")
     return files

@@ -6,7 +6,9 @@ waits a moment for rank 0 to show it; if rank 0 is stuck in a collective, the ra
 reports its own user error; any other error of its own (often only the dropped connection of the peer that
 failed first) gives way to the earliest error published, which rank 0 then records in `status.json` and shows
 once on the terminal. A rank other than 0 whose error is not the user's, when another rank failed before it
-(rank 0's bad line broke its collective), stays quiet: that error is reported where it happened.
+(rank 0's bad line broke its collective), stays quiet: that error is reported where it happened. A broken
+connection that no rank explains (a rank killed by SIGKILL or the OOM killer) is no traceback: rank 0 says so in
+one line, and the launcher, which saw how that rank ended, names it.
 
 Whoever shows an error claims that atomically on the store and prints at once: a launcher that ends the other
 ranks when one exits (torchrun, srun) may end the claimant a moment later. Rank 0 usually hosts the store, so
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -30,6 +34,9 @@ from clustertrain.errors import UserError
 _PREFIX = "clustertrain/failures/"
 _SHOWN = _PREFIX + "shown"  # the rank that showed an error on the terminal
 SHOW_WAIT_S = 2.0  # how long a failing rank waits for rank 0 to show its error; rank 0 waits as long for peers'
+VANISHED = -1  # the rank of a failure no rank reported: one died without a word (see _vanished_peer)
+_CONNECTION_LOST = re.compile(r"connection (?:reset|closed) by peer|broken pipe|remote process exited|"
+                              r"connection refused", re.IGNORECASE)
 
 
 @dataclass
@@ -51,11 +58,11 @@ class RankFailure:
         return cls(rank, time.time(), type(error).__name__, message, error.exit_code if user else 1, user)
 
     def __str__(self) -> str:  # for status.json
-        return f"{self.kind}: {self.message}" + (f" (rank {self.rank})" if self.rank else "")
+        return f"{self.kind}: {self.message}" + (f" (rank {self.rank})" if self.rank > 0 else "")
 
     def line(self) -> str:
         """What the terminal shows: a user error's own line; another rank's other error named, with its rank."""
-        if self.user:
+        if self.user or self.rank == VANISHED:
             return self.message
         return (f"rank {self.rank} failed first with {self.kind}: {self.message} "
                 "(its traceback is in that rank's output)")
@@ -82,13 +89,51 @@ def first_failure(error: BaseException) -> RankFailure:
     store = _store()
     if store is None:
         return own
+    # A peer's connection breaks when the rank at the other end exits: if that is rank 0, the store it hosts
+    # (`--nproc`, srun) goes with it, and torch's C++ client would print a warning for the call that finds it gone.
+    quiet = _native_stderr_muted() if rank != 0 and _lost_connection(own) else contextlib.nullcontext()
     try:
-        first = _first_on_rank0(store, own) if rank == 0 else _first_on_peer(store, own)
+        with quiet:
+            first = _first_on_rank0(store, own) if rank == 0 else _first_on_peer(store, own)
     except (RuntimeError, OSError, ValueError):  # the store went down with rank 0, or timed out
-        return own
+        first = own
+    if first is own and _lost_connection(own):
+        return _vanished_peer(own, say=rank == 0)
     if first is own and own.shown:
         error.shown = True  # type: ignore[attr-defined]  # read by the CLI, which then prints nothing more
     return first
+
+
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """Send what native code writes to stderr (file descriptor 2) to /dev/null meanwhile."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _lost_connection(failure: RankFailure) -> bool:
+    """Whether the failure is a rank's connection to another one breaking (gloo, NCCL, the store)."""
+    return not failure.user and (failure.kind == "DistNetworkError" or bool(_CONNECTION_LOST.search(failure.message)))
+
+
+def _vanished_peer(own: RankFailure, say: bool) -> RankFailure:
+    """No rank reported an error, yet a connection broke: a rank died without a word (SIGKILL, the OOM killer, a
+    crash in C), and whoever started it (the `--nproc` launcher, srun, torchrun) reports how it ended. This rank
+    stays quiet about the dropped connection; rank 0 says so in one line (a rank that lost rank 0 with its store
+    stays quiet too: rank 0 showed its error before it left, or its launcher names it)."""
+    failure = RankFailure(VANISHED, own.time, own.kind, f"rank {own.rank} lost its connection to another rank, which "
+                          "stopped without reporting an error (killed? out of memory?); its launcher's output names it",
+                          exit_code=1, user=False, shown=True)
+    if say:
+        print(f"error: {failure.line()}", file=sys.stderr, flush=True)
+    return failure
 
 
 def _first_on_rank0(store: dist.Store, own: RankFailure) -> RankFailure:
@@ -98,7 +143,10 @@ def _first_on_rank0(store: dist.Store, own: RankFailure) -> RankFailure:
     first = own  # a user error of its own is real, whatever the others had (often the same one, on every rank)
     if not own.user:
         _wait_for(lambda: _count(store) > 1)  # most likely a peer failed first: let its record in
-        first = min(published_failures(store), key=lambda f: (f.time, f.rank))
+        # a real error before a broken connection, which is only what a rank saw of another one's end
+        first = min(published_failures(store), key=lambda f: (_lost_connection(f), f.time, f.rank))
+        if _lost_connection(first):
+            return own  # no rank reported why: first_failure says so
     if first.user or first.rank != 0:  # rank 0's own other error: Python's traceback, on the way out
         shown_by = _show(store, first)
         if shown_by != 0:  # a peer that waited for rank 0 in vain showed its own, earlier error: that is the first

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.collectives import set_rank_device
 from clustertrain.distributed.env import RankInfo
-from clustertrain.errors import ConfigError
+from clustertrain.errors import ConfigError, LaunchError
 
 
 def device_type(parallel: ParallelConfig) -> str:
@@ -54,8 +54,15 @@ def init_distributed(parallel: ParallelConfig, info: RankInfo, run_dir: Path | N
     if info.world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}", rank=info.rank,
-                                world_size=info.world_size, **options)
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{info.master_addr}:{info.master_port}",
+                                    rank=info.rank, world_size=info.world_size, **options)
+        except dist.DistNetworkError as e:
+            if "EADDRINUSE" not in str(e):
+                raise
+            # Rank 0 hosts the store on MASTER_PORT: another run (or program) listens there already.
+            raise LaunchError(f"MASTER_PORT {info.master_port} is already in use on {info.master_addr} (EADDRINUSE: "
+                              "another run or program listens there); set MASTER_PORT to a free port") from None
     return device
 
 

@@ -48,7 +48,7 @@ def spawn_local(nproc: int, argv: list[str], early: EarlySignals | None = None) 
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env.setdefault("OMP_NUM_THREADS", str(threads))
-            procs.append(subprocess.Popen([sys.executable, "-m", "clustertrain", *argv], env=env, preexec_fn=setup))
+            procs.append(start_rank(argv, env, setup))
     except BaseException:
         _kill(procs)
         raise
@@ -74,6 +74,12 @@ def spawn_local(nproc: int, argv: list[str], early: EarlySignals | None = None) 
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def start_rank(argv: list[str], env: dict[str, str], setup: Callable[[], None]) -> subprocess.Popen:
+    """Start one rank: `python -m clustertrain ARGV` with environment `env`, `setup` run between fork and exec.
+    (The test suite's fork server replaces it with a fork of the launcher: tests/forkserver.py.)"""
+    return subprocess.Popen([sys.executable, "-m", "clustertrain", *argv], env=env, preexec_fn=setup)
 
 
 def _rank_setup(launcher: int, libc: ctypes.CDLL | None) -> Callable[[], None]:
@@ -124,16 +130,16 @@ def _wait(procs: list[subprocess.Popen]) -> int:
         codes = [p.poll() for p in procs]
         failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
         if failed:
+            rank, code = failed[0]
+            if code < 0:  # first: what the other ranks then say of their lost connection comes after it
+                hint = (" (out of memory? the kernel's OOM killer sends it: see `dmesg`)"
+                        if -code == signal.SIGKILL else "")
+                print(f"error: rank {rank} was killed by {_signal_name(-code)}{hint}", file=sys.stderr, flush=True)
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
             _kill(procs, grace_s=30)
-            rank, code = failed[0]
-            if code > 0:
-                return code
-            hint = " (out of memory? the kernel's OOM killer sends it: see `dmesg`)" if -code == signal.SIGKILL else ""
-            print(f"error: rank {rank} was killed by {_signal_name(-code)}{hint}", file=sys.stderr, flush=True)
-            return 128 - code  # killed by signal N: 128 + N, as shells say
+            return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as shells say
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.1)

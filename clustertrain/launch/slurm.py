@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from clustertrain.config.schema import RunConfig, SlurmConfig
+from clustertrain.config.schema import JOB_NAME_MAX, RunConfig, SlurmConfig, control_character
 from clustertrain.errors import ConfigError
 from clustertrain.launch.presets import Preset, load_preset
 
@@ -107,6 +107,9 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
     run_dir = (workdir / config.run_dir).resolve()
     python = slurm.python or sys.executable
     q = shlex.quote
+    if slurm.job_name is None and len(config.name) > JOB_NAME_MAX:  # the run name is the job's
+        raise ConfigError(f"name: {len(config.name):,} characters is too long for a Slurm job name (at most "
+                          f"{JOB_NAME_MAX}); set slurm.job_name, or a shorter name")
     _check_one_line({"name": config.name, "train.run_dir": str(run_dir), "the working directory": str(workdir),
                      "the config path": source, "slurm.python": python})
     for argument in train_args:
@@ -198,11 +201,14 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
 
 def _check_one_line(values: dict[str, str]) -> None:
     """Refuse a value with a line break: quoting keeps a value literal, but a newline still ends a `#SBATCH`
-    line (and with it the option block: later options such as --signal and --requeue would be dropped)."""
+    line (and with it the option block: later options such as --signal and --requeue would be dropped). Other
+    control characters are refused too: they reach every terminal that shows the script, squeue or sacct."""
     for key, value in values.items():
         if "\n" in value or "\r" in value:
-            raise ConfigError(f"{key} = {value!r} holds a line break, which would end a line of the job script; "
+            raise ConfigError(f"{key} = {value[:80]!r} holds a line break, which would end a line of the job script; "
                               "use one line")
+        if c := control_character(value):
+            raise ConfigError(f"{key} holds the control character {c!r}; use printable characters only")
 
 
 def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Path) -> list[str]:

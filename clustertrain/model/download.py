@@ -37,6 +37,7 @@ class Download:
     fetched: bool
     reason: str
     verified: bool
+    partial_bytes: int = 0  # of partial files a stopped download had left, removed before this one
 
 
 def hub_cache(cache_dir: str | Path | None = None) -> Path:
@@ -68,7 +69,9 @@ def download(
               else f"incomplete: {_listed(problems)}" if problems
               else f"the cached copy holds only {_shown(recorded)}" if any(recorded.values()) and recorded != patterns
               else "")
+    partial = 0
     if reason:
+        partial = remove_partial_files(cache, repo_id, repo_type)
         for name in problems:  # drop the file and its blob, so that a fetch without --force replaces them
             path = snapshot / name
             if path.is_symlink():
@@ -82,7 +85,50 @@ def download(
         raise DataError(f"{repo_id} in {snapshot}: {_listed(problems)}; fetch it again with: {command} --force")
     size = sum(entry["size"] for entry in manifest.values())
     fetched = bool(reason)
-    return Download(cache, snapshot, len(manifest), size, fetched, reason or "already complete", verify or fetched)
+    return Download(cache, snapshot, len(manifest), size, fetched, reason or "already complete", verify or fetched,
+                    partial)
+
+
+def remove_partial_files(cache: Path, repo_id: str, repo_type: str) -> int:
+    """Delete the partial files that stopped downloads of this repo left in its blobs; returns the bytes freed.
+
+    The hub client names each download's partial file uniquely (`<etag>.<random>.incomplete`) and never reuses
+    one, so a download killed mid-file leaves it for good. A file whose download still runs, in another
+    process, holds the hub client's lock for that blob and is kept.
+    """
+    from filelock import FileLock, Timeout
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+    freed = 0
+    for path in sorted((cache / folder / "blobs").glob("*.incomplete")):
+        lock = cache / ".locks" / folder / f"{path.name.split('.')[0]}.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with FileLock(lock, timeout=0):
+                size = path.stat().st_size
+                path.unlink()
+                freed += size
+        except (Timeout, OSError):  # being downloaded now, or gone already
+            continue
+    return freed
+
+
+def remove_own_partial_files(cache: Path) -> int:
+    """Delete the partial files this process is writing into `cache` (found through /proc/self/fd, on Linux;
+    elsewhere the next download removes them); returns the bytes freed. For a stop that cannot wait for the
+    hub client's download threads to end."""
+    freed = 0
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+                if path.is_relative_to(cache.resolve()) and (path.suffix == ".incomplete"
+                                                             or path.name.startswith(".incoming-")):
+                    size = path.stat().st_size
+                    path.unlink()
+                    freed += size
+    return freed
 
 
 def resolve_hub_id(hub_id: str, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:

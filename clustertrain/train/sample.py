@@ -24,7 +24,7 @@ def data_prompt(plan: DataPlan, tokenizer) -> list[int]:
     document in training. The same on every rank."""
     plan, split = plan.for_split("eval" if plan.has_eval() else "train")
     eos = tokenizer.eos_token_id
-    doc = next(plan.sources[0].read(*plan.ranges[0][split]), None) if plan.sources else None
+    doc = next(plan.splits[0][split].read(0, len(plan.splits[0][split])), None) if plan.sources else None
     if doc is None:  # data.mode random: no documents
         return [eos]
     field = "text" if plan.sources[0].format in ("text", "stdlib") else plan.data.sources[0].field

@@ -120,7 +120,8 @@ class Trainer:
         self.profiler = StepProfiler(cfg.metrics.profile, total_steps(cfg), self.run_dir / "profile", self.device,
                                      dist.get_rank(), log=lambda line: self.logger.info(line))
         self.micro_batch_size, self.microbatches = self.layout.micro_batch, self.layout.grad_accum
-        self.audit = AuditLog(self.run_dir / "samples.jsonl", self.plan.labels) if cfg.data.audit else None
+        self.audit = AuditLog(self.run_dir / "samples.jsonl", self.plan.labels,
+                              self.mesh.dp_rank) if cfg.data.audit else None
         self.mixture: Counter = Counter()
 
         self.hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
@@ -224,6 +225,12 @@ class Trainer:
         if not path.is_dir():
             raise CheckpointError(f"train.resume: checkpoint {path} does not exist")
         state = ckpt.load_checkpoint(path, self.runner.parts, self.optimizer, snapshot=self.snapshot)
+        if state["step"] > self.total_steps:  # it would "train" from step 4 of 2 and report success
+            key = next(k for k in ("tokens", "epochs", "steps") if getattr(self.config.train, k) is not None)
+            budget = f"train.{key} = {getattr(self.config.train, key)}" + (
+                f" ({self.total_steps} steps)" if key != "steps" else "")
+            raise CheckpointError(f"{budget} is below the checkpoint's step {state['step']} ({path}); set train.{key} "
+                                  f"to train past step {state['step']}, or start over with --resume none --overwrite")
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         if "data" in state:  # an imported model starts the data from the beginning
             self.loader.load_state_dict(state["data"])
@@ -550,7 +557,8 @@ class Trainer:
         cfg = self.config
         p = self.params
         self.logger.info(
-            f"clustertrain: {cfg.model.arch} {p['total'] / 1e6:.2f}M params ({p['trainable'] / 1e6:.2f}M trainable), "
+            f"clustertrain: {self.hf_config.model_type} {p['total'] / 1e6:.2f}M params "  # the family built
+            f"({p['trainable'] / 1e6:.2f}M trainable), "
             f"{self.info.world_size} rank(s) on {self.info.world_size // self.info.local_world_size} node(s) "
             f"via {self.info.launcher} on {self.device.type}, "
             f"{cfg.parallel.strategy} (dp_replicate={self.mesh.dp_replicate}, dp_shard={self.mesh.dp_shard}, "

@@ -60,7 +60,7 @@ def test_nan_skip_skips_the_update_on_every_rank_and_gives_up_after_ten_in_a_row
                          ids=["one-rank-SIGTERM", "launcher-Ctrl-C"])
 def test_a_signal_during_start_up_is_honoured_at_step_1(tmp_path, nproc, signum):
     """Ctrl-C saves and stops like SIGTERM, and neither is lost (or fatal) while torch loads or ranks start."""
-    proc = start(tmp_path, "train.steps=500", "checkpoint.every=0", nproc=nproc)
+    proc = start(tmp_path, "train.steps=500", "checkpoint.every=0", nproc=nproc, fresh=True)
     time.sleep(1)  # importing torch, or (launcher) starting the ranks
     os.killpg(proc.pid, signum)  # as a terminal does: the launcher's process group (each rank has its own)
     stdout, stderr = proc.communicate(timeout=120)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 import yaml
-from helpers import _run_once, alive, check_ending
+from forkserver import Forked
+from helpers import _run_once, alive, check_ending, popen
 
 from clustertrain.config.load import dump_config, load_config
 from clustertrain.train.status import write_status
@@ -71,3 +72,14 @@ def test_a_command_past_its_timeout_is_killed_with_every_process_it_started():
     while any(map(alive, ranks)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(map(alive, ranks))
+
+
+@pytest.mark.parametrize("args", [["config", "show", "--set", "train.steps=7"], ["config", "show", "--set", "x.y=1"],
+                                  ["train", "--set", "train.steps=-1"]], ids=["ok", "bad-key", "bad-value"])
+def test_a_command_forked_by_the_server_ends_as_in_a_fresh_interpreter(tmp_path, args):
+    forked = popen(["-m", "clustertrain", *args], cwd=tmp_path)
+    fresh = popen(["-m", "clustertrain", *args], cwd=tmp_path, fresh=True)
+    assert isinstance(forked, Forked) and not isinstance(fresh, Forked)
+    assert forked.communicate(timeout=120) == fresh.communicate(timeout=120)
+    assert forked.returncode == fresh.returncode == (0 if args[-1].endswith("7") else 2)
+    assert list(tmp_path.iterdir()) == []  # both ran here and wrote nothing

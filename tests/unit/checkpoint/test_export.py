@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
@@ -307,3 +308,58 @@ def test_cli_refuses_an_unknown_dtype(checkpoint, tmp_path, capsys):
         cli("export", str(checkpoint), str(tmp_path / "out"), "--dtype", "bf8")
     assert exit_.value.code == 2 and "--dtype" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["inside", "named-like-one", "in-a-checkpoint"])
+def test_export_into_a_checkpoints_folder_is_refused(checkpoint, tmp_path, where):
+    """It would be taken for a checkpoint, or removed with the run's interrupted saves (`.tmp-step-N`)."""
+    out = {"inside": checkpoint.parent / "hf",  # the run's own checkpoints/
+           "named-like-one": tmp_path / "checkpoints" / "step-0000009",  # a fake checkpoints/step-N anywhere
+           "in-a-checkpoint": checkpoint / "hf"}[where]
+    before = sorted(p.name for p in checkpoint.parent.iterdir())
+    with pytest.raises(CheckpointError, match=r"(inside the checkpoint|named like a checkpoint).*; export to a") as e:
+        export_hf(checkpoint, out)
+    assert "\n" not in str(e.value) and str(out) in str(e.value)
+    assert not out.exists() and sorted(p.name for p in checkpoint.parent.iterdir()) == before
+
+
+def test_merge_of_a_run_without_lora_is_refused(checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match=r"^--merge: .*step-0000003 is not a LoRA run, so there is no adapter "
+                                              r"to merge; export it without --merge"):
+        export_hf(checkpoint, tmp_path / "merged", merge=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("errno_", "exit_code", "message"), [
+    (errno.EACCES, 2, "cannot write {out}: permission denied in {parent}; choose a directory you can write to"),
+    (errno.EROFS, 2, "cannot write {out}: read-only file system in {parent}; choose a directory you can write to"),
+    (errno.ENOSPC, 74, "writing {out} failed: no space left on device in {parent}; the partial copy was removed "
+                       "and nothing else changed: free space and run it again"),
+], ids=["permission-denied", "read-only", "disk-full"])
+def test_an_unwritable_directory_or_a_full_disk_is_one_line_and_leaves_no_partial_export(
+        checkpoint, tmp_path, monkeypatch, capsys, errno_, exit_code, message):
+    """The OS's answer stands in for a read-only mount (root ignores a directory's mode) or a full disk; a real
+    full tmpfs gives the same line (docs/reliability.md)."""
+    parent = tmp_path / "exports"
+    out = parent / "hf"
+    if errno_ == errno.ENOSPC:  # the disk fills while the weights are written
+        real_open = open
+
+        def full_disk(path, mode="r", *args, **kwargs):
+            if "w" in mode and str(path).endswith(".safetensors"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_open(path, mode, *args, **kwargs)
+        monkeypatch.setattr("builtins.open", full_disk)
+    else:  # the folder the export is written into cannot be made
+        real_mkdir = Path.mkdir
+
+        def refused(self, *args, **kwargs):
+            if self.parent == parent:
+                raise OSError(errno_, os.strerror(errno_), str(self))
+            return real_mkdir(self, *args, **kwargs)
+        monkeypatch.setattr(Path, "mkdir", refused)
+    from clustertrain.cli import main
+
+    assert main(["export", str(checkpoint), str(out)]) == exit_code
+    assert capsys.readouterr().err == "error: " + message.format(out=out, parent=parent) + "\n"
+    assert not out.exists() and not any(parent.glob(".tmp-*"))

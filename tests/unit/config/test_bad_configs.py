@@ -336,7 +336,8 @@ CASES: dict[str, Bad] = {
     "toml-betas": F("optim.betas", "c.toml", "[optim]\nbetas = [1.5, 0.9]\n"),
     "unknown-extension": F("c.json", "c.json", '{"train": {"steps": 3}}'),
     "missing-file": Bad("config file not found", argv=("train", "{tmp}/nope.yaml")),
-    "directory-as-file": Bad("config file not found", argv=("train", "{tmp}")),
+    "directory-as-file": Bad("is a directory; give the .yaml, .yml or .toml file in it", argv=("train", "{tmp}")),
+    "device-as-file": Bad("config file /dev/null is not a regular file", argv=("config", "show", "/dev/null")),
     # ---- other commands ------------------------------------------------------------------------
     "config-show-bad-value": Bad("optim.lr", argv=("config", "show", "--set", "optim.lr=-1")),
     "render-bad-value": Bad("slurm.nodes", argv=("slurm", "render", "--set", "slurm.nodes=0")),

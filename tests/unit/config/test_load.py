@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import time
 import tracemalloc
 from pathlib import Path
@@ -94,6 +95,16 @@ def test_missing_and_malformed_files(tmp_path):
     (tmp_path / "c.json").write_text("{}")
     with pytest.raises(ConfigError, match="use .yaml, .yml or .toml"):
         load_config(tmp_path / "c.json")
+
+
+@pytest.mark.timeout(30)
+def test_a_fifo_or_a_directory_as_the_config_is_refused_unread(tmp_path):
+    """A FIFO nothing writes to would block a read forever; a directory said "not found"."""
+    os.mkfifo(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"config file .*c\.yaml is not a regular file \(a FIFO, device or socket\)"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(ConfigError, match=r"config file .* is a directory; give the \.yaml, \.yml or \.toml file"):
+        load_config(tmp_path)
 
 
 def test_config_reference_is_current():

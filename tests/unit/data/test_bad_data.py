@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -76,10 +77,14 @@ GOOD_NPY = npy(np.arange(2000, dtype=np.uint16) % VOCAB)
 NPY_OBJECTS = npy(np.array([1, "os.system", None], dtype=object), allow_pickle=True)  # a pickle inside
 GARBAGE = bytes(np.random.default_rng(0).integers(0, 256, 3000, dtype=np.uint8))
 CHAT = [{"role": "user", "content": "what is two and two"}, {"role": "assistant", "content": "four"}]
+# A tokenizer.json the tokenizers library reads, but without the "added_tokens" list transformers needs; and with it.
+WORDS = b'{"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0, "<eos>": 1}, "unk_token": "a"}}'
+WORDS_ADDED = WORDS.replace(b'"model"', b'"added_tokens": [], "model"')
 
 # Each case: files written into its folder ({name: bytes}), changes to its source or the run, and a regular
 # expression its error line must match; {d} stands for the folder in both. A change is `key: value` of the source,
-# `SET key=value` of the run, `MODE`, `ON_BAD` (data.on_bad_data) or `SOURCES` (all of data.sources).
+# `SET key=value` of the run, `MODE`, `ON_BAD` (data.on_bad_data) or `SOURCES` (all of data.sources). A file named
+# `@x` is a symbolic link to the path its content names, `|x` a FIFO.
 CASES: dict[str, tuple[dict[str, bytes], list[str], str]] = {
     # -- jsonl: lines that are not JSON objects
     "jsonl unterminated string": ({"a.jsonl": good_then('{"text": "def f(')}, [],
@@ -122,7 +127,8 @@ CASES: dict[str, tuple[dict[str, bytes], list[str], str]] = {
                            r"{d}/a\.jsonl:5: not UTF-8 \(byte 0xe9 at offset \d+\)"),
     "jsonl UTF-16 file": ({"a.jsonl": jsonl(*GOOD[:12]).decode().encode("utf-16")}, [], r"{d}/a\.jsonl:1: not UTF-8"),
     "jsonl binary garbage": ({"a.jsonl": GARBAGE}, [], r"{d}/a\.jsonl:\d+: (not UTF-8|malformed JSON)"),
-    "jsonl NUL bytes": ({"a.jsonl": good_then(b"\x00" * 40)}, [], r"{d}/a\.jsonl:5: malformed JSON"),
+    "jsonl NUL bytes": ({"a.jsonl": good_then(b"\x00" * 40)}, [],
+                        r"{d}/a\.jsonl:5: binary data, not UTF-8 text \(a NUL byte at offset \d+\)"),
     "txt latin-1": ({"a.txt": "def café(): pass\n".encode("latin-1") * 50}, [], r"{d}/a\.txt: not UTF-8 \(byte 0xe9"),
     "txt binary garbage": ({"a.txt": GARBAGE}, [], r"{d}/a\.txt: not UTF-8"),
     "txt block with a bad byte": ({"a.txt": b"def f(): pass\n\nx = '\xff'\n\ny = 2\n" * 30}, ["text_unit: block"],
@@ -198,6 +204,42 @@ CASES: dict[str, tuple[dict[str, bytes], list[str], str]] = {
     "hf_disk on a plain folder": ({"notes.md": b"x"}, ["path: {d}", "format: hf_disk"],
                                   r"{d}: not a directory written by datasets' save_to_disk"),
     "a directory named like a file": ({"a.jsonl/b.md": b"x"}, [], r"{d}/a\.jsonl/b\.md: cannot tell the format"),
+    # -- FIFOs and devices: refused at open, never read (a FIFO would block, /dev/zero never end)
+    "FIFO as a source": ({"|a.jsonl": b""}, [],
+                         r"data source '{d}/a\.jsonl' is a FIFO, not a regular file; give a file"),
+    "FIFO in a directory": ({"a.jsonl": jsonl(*GOOD[:12]), "|b.jsonl": b""}, ["path: {d}"],
+                            r"data source '{d}': {d}/b\.jsonl is a FIFO, not a regular file"),
+    "FIFO as a token file": ({"|a.npy": b""}, [], r"data source '{d}/a\.npy' is a FIFO, not a regular file"),
+    "/dev/zero as a source": ({}, ["path: /dev/zero"], r"data source '/dev/zero' is a character device, not a regular"),
+    "/dev/null as a source": ({}, ["path: /dev/null", "format: text"],
+                              r"data source '/dev/null' is a character device, not a regular"),
+    "/dev/zero as a token file": ({}, ["path: /dev/zero", "format: tokens"],
+                                  r"data source '/dev/zero' is a character device, not a regular"),
+    "a .txt linked to /dev/zero": ({"@a.txt": b"/dev/zero"}, [], r"data source '{d}/a\.txt' is a character device"),
+    # -- NUL bytes: UTF-8 takes them, but they are binary data, never text
+    "txt of NUL bytes": ({"a.txt": b"\x00" * 4096}, [],
+                         r"{d}/a\.txt: binary data, not UTF-8 text \(a NUL byte at offset 0\)"),
+    "txt lines with NUL bytes": ({"a.txt": b"x = 1\n" * 9 + b"y = \x00\x00\n" + b"z = 2\n" * 9}, ["text_unit: line"],
+                                 r"{d}/a\.txt:10: binary data, not UTF-8 text \(a NUL byte at offset 58\)"),
+    "skip: txt of NUL bytes": ({"a.txt": b"\x00" * 4096}, ["ON_BAD skip"],
+                               r"'a' \({d}/a\.txt\): every one of the \d+ documents .* was skipped as bad"),
+    # -- data.tokenizer folders that hold no usable tokenizer
+    "tokenizer: tokenizer.json is {}": ({"a.jsonl": jsonl(*GOOD[:12]), "tok/tokenizer.json": b"{}"},
+                                        ["SET data.tokenizer={d}/tok"],
+                                        (r"data\.tokenizer: {d}/tok/tokenizer\.json is not a tokenizer the tokenizers "
+                                         r"library reads \(.*\); write it with save_pretrained")),
+    "tokenizer: tokenizer.json not JSON": ({"a.jsonl": jsonl(*GOOD[:12]), "tok/tokenizer.json": b"<html>"},
+                                           ["SET data.tokenizer={d}/tok"],
+                                           r"data\.tokenizer: {d}/tok/tokenizer\.json is not a tokenizer"),
+    "tokenizer: tokenizer.json without added_tokens": ({"a.jsonl": jsonl(*GOOD[:12]), "tok/tokenizer.json": WORDS},
+                                                       ["SET data.tokenizer={d}/tok"],
+                                                       r"{d}/tok/tokenizer\.json has no \"added_tokens\" list"),
+    "tokenizer: tokenizer_config.json a list": ({"a.jsonl": jsonl(*GOOD[:12]), "tok/tokenizer.json": WORDS_ADDED,
+                                                 "tok/tokenizer_config.json": b"[]"}, ["SET data.tokenizer={d}/tok"],
+                                                r"{d}/tok/tokenizer_config\.json holds a JSON array, not an object"),
+    "tokenizer: folder without a tokenizer": ({"a.jsonl": jsonl(*GOOD[:12]), "tok/README.md": b"# notes\n"},
+                                              ["SET data.tokenizer={d}/tok"],
+                                              r"data\.tokenizer: {d}/tok holds no tokenizer: expected tokenizer\.json"),
     # -- SFT records
     "sft no known shape": ({"a.jsonl": sft_then({"question": "q", "answer": "a"})}, ["MODE sft"],
                            r"{d}/a\.jsonl:5: record has none of messages, prompt/completion"),
@@ -228,6 +270,12 @@ CASES: dict[str, tuple[dict[str, bytes], list[str], str]] = {
                                    r"'a' \({d}/a\.jsonl\): every one of the \d+ documents .* was skipped"),
     "skip: every text missing": ({"a.jsonl": jsonl(*[{"body": "x"}] * 30)}, ["ON_BAD skip"],
                                  r"'a' \({d}/a\.jsonl\): every one of the \d+ documents .* was skipped"),
+    # -- every text empty: nothing was skipped as bad, whatever on_bad_data says
+    "every text empty": ({"a.jsonl": jsonl(*[{"text": ""}] * 30)}, [],
+                         (r"'a' \({d}/a\.jsonl\): every one of the \d+ documents this stream reads is empty "
+                          r"\(no text\), so there is nothing to train on; give the source documents with text$")),
+    "skip: every text empty": ({"a.jsonl": jsonl(*[{"text": ""}] * 30)}, ["ON_BAD skip"],
+                               r"'a' \({d}/a\.jsonl\): every one of the \d+ documents this stream reads is empty"),
     # -- the same, with the default tokenizer: a BPE trained on the sources first, skipping what it cannot read
     "trained tokenizer: malformed line": ({"a.jsonl": good_then("{")}, ["TRAIN_TOKENIZER"],
                                           r"{d}/a\.jsonl:5: malformed JSON"),
@@ -303,6 +351,9 @@ def write_case(folder: Path, files: dict[str, bytes]) -> None:
         if name.startswith("@"):  # a symbolic link to the path the content names
             (folder / name[1:]).symlink_to(content.decode().replace("{d}", str(folder)))
             continue
+        if name.startswith("|"):  # a FIFO, which nothing ever writes to
+            os.mkfifo(folder / name[1:])
+            continue
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(content)
 
@@ -310,13 +361,13 @@ def write_case(folder: Path, files: dict[str, bytes]) -> None:
 def overrides_for(folder: Path, files: dict[str, bytes], extra: list[str], tokenizer: Path) -> list[str]:
     """--set values: the tiny run, this case's single source (its first file) and the case's own changes."""
     d = str(folder)
-    source = {"path": f"{d}/{next(iter(files)).lstrip('@')}" if files else d}
+    source = {"path": f"{d}/{next(iter(files)).lstrip('@|')}" if files else d}
     sets, mode, on_bad, tokenizer_set = [], "pretrain", "error", [f"data.tokenizer={tokenizer}"]
     sources = None
     for item in extra:
         word, _, rest = item.partition(" ")
         if word == "SET":
-            sets.append(rest)
+            sets.append(rest.replace("{d}", d))
         elif word == "MODE":
             mode = rest
         elif word == "ON_BAD":

@@ -59,9 +59,27 @@ def test_another_ranks_crash_is_named_by_rank_0_under_its_traceback(store, monke
 
 
 def test_rank_0s_own_crash_is_its_traceback_and_peers_keep_quiet(store, monkeypatch, capsys):
-    on_0 = fail_on(monkeypatch, 0, GLOO)  # no peer publishes within SHOW_WAIT_S: rank 0's own error
-    assert (on_0.rank, on_0.message, on_0.shown) == (0, GLOO.args[0].splitlines()[0], False)
+    crash = RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+    on_0 = fail_on(monkeypatch, 0, crash)  # no peer publishes within SHOW_WAIT_S: rank 0's own error
+    assert (on_0.rank, on_0.message, on_0.shown) == (0, "CUDA error: an illegal memory access was encountered", False)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_rank_killed_without_a_word_is_one_line_of_rank_0_and_no_traceback(store, monkeypatch, capsys, world):
+    """Rank 1 was killed (SIGKILL, the OOM killer): it publishes nothing; the others see only a broken connection.
+    The launcher names the killed rank; rank 0 says it lost a rank in one line, any other rank stays quiet."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: world)
+    if world == 3:
+        on_2 = fail_on(monkeypatch, 2, RuntimeError("[pair.cc:537] Read error: Connection reset by peer. GLHF"))
+        assert (on_2.rank, on_2.shown) == (failures.VANISHED, True)  # PeerFailed, shown: rank 2 prints nothing
+        assert capsys.readouterr().err == ""
+    on_0 = fail_on(monkeypatch, 0, GLOO)
+    assert (on_0.rank, on_0.user, on_0.shown, on_0.exit_code) == (failures.VANISHED, False, True, 1)
+    assert PeerFailed(on_0).shown  # the trainer raises it: the CLI prints nothing more, and no traceback
+    assert capsys.readouterr().err == ("error: rank 0 lost its connection to another rank, which stopped without "
+                                       "reporting an error (killed? out of memory?); its launcher's output names it\n")
+    assert str(on_0).startswith("RuntimeError: rank 0 lost its connection")  # status.json, no "(rank -1)"
 
 
 def test_a_user_error_that_a_peer_showed_first_is_the_one_recorded(store, monkeypatch, capsys):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from clustertrain.cli import main
 from clustertrain.config.load import load_config
 from clustertrain.errors import ConfigError
 from clustertrain.launch.jobs import decide, job_start, read_chain, record
@@ -107,6 +108,22 @@ def test_a_line_break_never_reaches_the_job_script(override, key):
     argument = "--set=optim.lr=1e-3\n#SBATCH --time=99:00:00"
     with pytest.raises(ConfigError, match="^an argument of clustertrain train = .* holds a line break"):
         render_script(load_config(None, FIXED), [argument], Path("/work/project"), "configs/llama.yaml")
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("slurm.nodes=1000000000", "config error: slurm.nodes = 1000000000: Input should be less than or equal to 100000"),
+    ("slurm.job_name=" + "x" * 120_000, "config error: slurm: slurm.job_name: 120,000 characters; at most 200"),
+    ('slurm.job_name="run\\x1b[2J\\x07"', "config error: slurm: slurm.job_name: holds the control character "
+                                          "'\\x1b'; use printable characters only"),
+    ("name=" + "x" * 120_000, "name: 120,000 characters is too long for a Slurm job name (at most 200); set "
+                              "slurm.job_name, or a shorter name"),
+    ('name="run\\x07"', "name holds the control character '\\x07'; use printable characters only"),
+], ids=["1e9-nodes", "long-job-name", "job-name-control-bytes", "long-run-name", "run-name-control-bytes"])
+def test_slurm_render_refuses_absurd_values_in_one_short_line(override, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["slurm", "render", "--set", override, "-o", "job.sh"]) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"  # the key and its limit; not the 120,000 characters
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_users_preset_file(tmp_path):

@@ -3,6 +3,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -167,7 +168,10 @@ def test_tensorboard_resume_hides_steps_after_checkpoint(tmp_path):
     with make(tmp_path, tensorboard=True, total_steps=4) as log:
         for step in range(1, 5):
             log.log(step, {"loss": float(step)})
-    # Resumed from the checkpoint at step 2: the killed run's steps 3-4 are replaced.
+    # Resumed from the checkpoint at step 2: the killed run's steps 3-4 are replaced. TensorBoard reads event files
+    # in name order: time in seconds, pid, then a per-process counter (where "10" sorts before "9"); a resumed run
+    # is a later process, so this one starts in a later second.
+    time.sleep(1.01 - time.time() % 1)
     with make(tmp_path, tensorboard=True, total_steps=4, start_step=2) as log:
         for step in range(3, 5):
             log.log(step, {"loss": 10.0 + step})

@@ -44,10 +44,10 @@ def test_an_sft_run_samples_its_first_held_out_prompt(tmp_path, layout):
         path = tmp_path / "guanaco.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in GUANACO))
     prompt = prompt_of(tmp_path, {"path": str(path), "field": "text"}, mode="sft", eval_fraction=0.1)
-    assert "What is 9 plus 0?" in prompt and prompt.rstrip().endswith("[/INST]"), prompt  # no answer: the model's
+    assert "What is 0 plus 2?" in prompt and prompt.rstrip().endswith("[/INST]"), prompt  # no answer: the model's
 
 
-@pytest.mark.parametrize("eval_fraction, line", [(0.1, 18), (0.0, 0)])
+@pytest.mark.parametrize("eval_fraction, line", [(0.1, 2), (0.0, 0)])  # 2 and 18 of the 20 are held out
 def test_a_text_run_samples_the_start_of_its_first_held_out_document(tmp_path, eval_fraction, line):
     lines = [f"document {i} begins with its own words, then goes on for a while about topic {i}." for i in range(20)]
     (tmp_path / "corpus.txt").write_text("\n".join(lines) + "\n")
@@ -77,4 +77,4 @@ def test_an_sft_run_from_a_downloaded_dataset_ends_with_its_model_answering_a_he
         *TINY, "data.mode=sft", "data.sources=[{hf_name: org/guanaco, field: text}]", "data.vocab_size=300",
         "data.eval_fraction=0.1", "train.steps=2", f"train.run_dir={tmp_path / 'run'}")), env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "\n       sample  [INST] What is 9 plus 0? [/INST]" in result.stdout, result.stdout[-2000:]
+    assert "\n       sample  [INST] What is 0 plus 2? [/INST]" in result.stdout, result.stdout[-2000:]
