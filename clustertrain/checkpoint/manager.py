@@ -6,6 +6,7 @@ signal or the walltime, and the exit code that asks for a requeue, are clustertr
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 from collections.abc import Callable
@@ -133,7 +134,7 @@ class CheckpointManager:
             error = next(iter(error.failures.values()))[0]
         reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
         free_gb = shutil.disk_usage(self.root).free / 1e9 if self.root.exists() else float("nan")
-        kept = ckpt.latest_checkpoint(self.root)
+        kept = ckpt.latest_checkpoint(self.root) if self.root.is_dir() else None
         message = (f"checkpoint of step {step} failed ({reason}; {free_gb:.1f} GB free under {self.root}); "
                    + (f"{kept} is intact" if kept else "no earlier checkpoint exists"))
         if self.rank0:
@@ -142,8 +143,20 @@ class CheckpointManager:
         if final:  # nothing saves these steps later: the run must not report success (Slurm: COMPLETED)
             first_lost = int(kept.name.split("-")[1]) + 1 if kept else 1
             again = f"it resumes from {kept.name}" if kept else "it starts over"
-            raise SaveFailed(f"{message}; it was this run's last save, so steps {first_lost}-{step} are lost: free "
-                             f"space, then run again ({again})") from None
+            raise SaveFailed(f"{message}; it was this run's last save, so steps {first_lost}-{step} are lost: "
+                             f"{_remedy(error, self.root)}, then run again ({again})") from None
         if self.config.on_error == "stop":
             raise SaveFailed(message + "; stopping (checkpoint.on_error: stop)") from None
         self.log(f"warning: {message}; training goes on (checkpoint.on_error: warn)")
+
+
+def _remedy(error: BaseException, root: Path) -> str:
+    """What to do about a failed write, by its cause: a full disk is not the only one."""
+    code = getattr(error, "errno", None)
+    if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"make {root} writable"
+    if code in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR) or (root.exists() and not root.is_dir()):
+        return f"move away what is in the way ({root} must be a folder of checkpoints)"
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, None):
+        return "free space"
+    return "fix what the error names"

@@ -163,3 +163,22 @@ def test_an_unlimited_walltime_never_stops_the_run():
         assert stop.deadline == float("inf") and stop.agreed() is None
     finally:
         stop.close()
+
+
+@pytest.mark.parametrize("cause, remedy", [("a file", "move away what is in the way"), ("read-only", "writable")])
+def test_a_failed_last_save_says_what_to_do_about_its_cause(one_rank, tmp_path, monkeypatch, cause, remedy):
+    """A checkpoints folder replaced by a file, or a read-only one, is not a full disk: "free space" would mislead
+    (it said so with 81 GB free)."""
+    root = tmp_path / "checkpoints"
+    if cause == "a file":
+        root.write_text("not a folder")
+    else:
+        root.mkdir()
+
+        def read_only(*args, **kwargs):
+            raise OSError(30, "Read-only file system")  # EROFS: root ignores permissions, so raised here
+        monkeypatch.setattr(ckpt, "_write_json", read_only)
+    manager = CheckpointManager(root, CheckpointConfig(), 4, print, torch.device("cpu"))
+    with pytest.raises(ckpt.CheckpointError, match=f"steps 1-4 are lost: .*{remedy}") as error:
+        save(manager, 4, nn.Linear(4, 2), final=True)
+    assert "free space" not in str(error.value)
