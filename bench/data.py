@@ -154,7 +154,7 @@ class LoaderSide:
 
     def __init__(self, name: str, cfg, tokenizer, workers: int, consumer: str):
         self.name, self.workers, self.consumer = name, workers, consumer
-        seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+        seed = cfg.data_seed
         self.plan = DataPlan(cfg.data, tokenizer, cfg.train.global_batch_size, seed, cache_root(cfg.data))
         self.loader = StreamLoader(self.plan, 0, DP_SIZE, workers)
         self.buffer = cfg.data.shuffle_buffer
@@ -299,7 +299,7 @@ def same_batch(a: dict, b: dict) -> bool:
 
 def measure_restore(args, cfg, tokenizer) -> tuple[list[tuple], float]:
     """Positions at each depth from one forward run, then timed fresh restores, round-robin over depths."""
-    seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+    seed = cfg.data_seed
     k = cfg.train.global_batch_size
     plan = DataPlan(cfg.data, tokenizer, k, seed, cache_root(cfg.data))
     loader = StreamLoader(plan, 0, 1, 0)

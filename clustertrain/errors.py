@@ -21,3 +21,9 @@ class LaunchError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint is missing, incomplete or does not fit the run."""
+
+
+def first_line(error: BaseException | str) -> str:
+    """The first line of an error's message (its type's name when it has none): what a one-line report quotes."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -14,7 +14,7 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clustertrain.errors import CheckpointError, UserError
+from clustertrain.errors import CheckpointError, UserError, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -132,14 +132,14 @@ def _load_hf_dir(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     except pickle.UnpicklingError as e:  # transformers loads .bin weights with weights_only=True
         raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
     except (OSError, ValueError, KeyError, SafetensorError) as e:
-        raise CheckpointError(f"{path}: cannot load a causal LM: {_first_line(e)}") from None
+        raise CheckpointError(f"{path}: cannot load a causal LM: {first_line(e)}") from None
     tokenizer_dir = path
     if adapter and not _has_tokenizer(path):  # then its base model has it
         tokenizer_dir = model.peft_config["default"].base_model_name_or_path  # checked by check_adapter_base
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: cannot load its tokenizer: {_first_line(e)}") from None
+        raise CheckpointError(f"{path}: cannot load its tokenizer: {first_line(e)}") from None
     return model, tokenizer
 
 
@@ -224,6 +224,3 @@ def exact_match(model: PreTrainedModel, tokenizer, records: list[dict], *, max_n
             "max_new_tokens": max_new_tokens, "examples": examples}
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -34,6 +34,7 @@ from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, agre
                                             open_checkpoint, read_rng)
 from clustertrain.distributed.collectives import rank_device
 from clustertrain.errors import CheckpointError
+from clustertrain.files import write_atomic
 
 STEP_DIR = re.compile(r"^step-(\d{7,})$")
 
@@ -388,12 +389,7 @@ def remove_incomplete(root: Path) -> None:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w") as f:
-        f.write(json.dumps(data, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(data, indent=1), durable=True)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -35,14 +35,14 @@ from clustertrain.checkpoint.base import check_base
 from clustertrain.checkpoint.compat import write_legacy_config, write_portable_tokenizer_class
 from clustertrain.checkpoint.dcp import STEP_DIR, latest_checkpoint, list_checkpoints, with_hint
 from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
-from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, OpenedCheckpoint, check_fits, first_line,
-                                            load_state, open_checkpoint)
+from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, OpenedCheckpoint, check_fits, load_state,
+                                            open_checkpoint)
 from clustertrain.checkpoint.stream import (Snapshot, check_checkpoint_fits, load_adapters, plan_entries,
                                             write_adapter, write_weights)
 from clustertrain.config.load import dump_config, load_config, validate
 from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import DataConfig, RunConfig
-from clustertrain.errors import CheckpointError
+from clustertrain.errors import CheckpointError, first_line
 from clustertrain.model.load import build_hf_config, build_meta_model
 from clustertrain.model.weights import init_weights, load_pretrained, refusal
 

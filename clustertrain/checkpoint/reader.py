@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
 from torch.futures import Future
 
 from clustertrain.distributed.collectives import all_gather_objects, all_reduce
-from clustertrain.errors import CheckpointError
+from clustertrain.errors import CheckpointError, first_line
 from clustertrain.model.weights import refusal
 
 METADATA = ".metadata"
@@ -309,6 +309,3 @@ def _shape(size) -> str:
     return f"({', '.join(str(n) for n in size)})" if len(size) != 1 else f"({size[0]},)"
 
 
-def first_line(error: BaseException | str) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

@@ -540,3 +540,8 @@ class RunConfig(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.train.run_dir or f"runs/{self.name}")
+
+    @property
+    def data_seed(self) -> int:
+        """data.seed, or train.seed where it is unset."""
+        return self.data.seed if self.data.seed is not None else self.train.seed

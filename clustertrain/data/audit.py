@@ -115,7 +115,7 @@ def expected_samples(config, steps: int) -> dict[int, list[tuple]]:
     from clustertrain.data.tokenize import cache_root, load_tokenizer
 
     data = config.data
-    seed = data.seed if data.seed is not None else config.train.seed
+    seed = config.data_seed
     plan = DataPlan(data, load_tokenizer(data), config.train.global_batch_size, seed, cache_root(data))
     loader = StreamLoader(plan, dp_rank=0, dp_size=1)
     expected = {}

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
-import os
 import stat
-import uuid
 import zipfile
 from bisect import bisect_right
 from collections import Counter
@@ -25,7 +24,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clustertrain.errors import DataError
+from clustertrain.errors import DataError, first_line
+from clustertrain.files import write_atomic
 
 INDEX_EVERY = 1024  # a line index notes every 1024th record: a seek costs at most 1023 record skips
 BATCH_ROWS = 1024
@@ -164,7 +164,7 @@ def _at_column(error: json.JSONDecodeError) -> str:
 def _json_limit(error: Exception) -> str:
     if isinstance(error, RecursionError):
         return "nested too deeply"
-    return _first_line(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
+    return first_line(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
 
 
 # Line-based files: jsonl and text lines (a record per non-blank line), text paragraphs (a record per run of
@@ -197,10 +197,9 @@ def load_index(path: Path, kind: str, cache_dir: Path) -> tuple[int, np.ndarray]
     count, marks = scan_records(path, kind)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        part = file.with_name(f".{file.name}.{uuid.uuid4().hex}")  # by open(): as readable as the umask says
-        with open(part, "wb") as f:
-            np.savez(f, count=count, marks=marks)
-        os.replace(part, file)  # atomic: ranks scanning the same file at once never see half an index
+        saved = io.BytesIO()
+        np.savez(saved, count=count, marks=marks)
+        write_atomic(file, saved.getvalue())  # ranks scanning the same file at once never see half an index
     except OSError:
         pass  # a read-only cache only costs a rescan next time
     return count, marks
@@ -215,11 +214,11 @@ def _indexed_records(path: Path, marks: list, kind: str, start: int, stop: int,
     index = first - first % INDEX_EVERY - header_rows
     with open(path, "rb") as f:
         f.seek(offset)
-        for first_line, first_offset, raw in _records(f, offset, line_no, kind):
+        for start_line, first_offset, raw in _records(f, offset, line_no, kind):
             if index >= stop:
                 return
             if index >= start:
-                yield index, raw, first_offset, f"{path}:{first_line}"
+                yield index, raw, first_offset, f"{path}:{start_line}"
             index += 1
 
 
@@ -228,25 +227,25 @@ def _records(f, offset: int, line_no: int, kind: str) -> Iterator[tuple[int, int
     non-blank line (`lines`), a run of non-blank lines (`blocks`), or a CSV row, whose quoted fields may hold
     line breaks (`csv`: lines until an even number of quotes, as doubled quotes keep the parity)."""
     record: list[bytes] = []
-    first_line = first_offset = quotes = 0
+    start_line = first_offset = quotes = 0
     for line in f:
         if kind == "csv" and record:  # an open quoted field: the row goes on, blank lines included
             record.append(line)
         elif line.strip():
             if not record:
-                first_line, first_offset = line_no, offset
+                start_line, first_offset = line_no, offset
             record.append(line)
         elif record:  # a blank line ends a block
-            yield first_line, first_offset, b"".join(record)
+            yield start_line, first_offset, b"".join(record)
             record = []
         quotes += line.count(b'"') if record and kind == "csv" else 0
         if record and kind != "blocks" and not quotes % 2:
-            yield first_line, first_offset, b"".join(record)
+            yield start_line, first_offset, b"".join(record)
             record, quotes = [], 0
         offset += len(line)
         line_no += 1
     if record:
-        yield first_line, first_offset, b"".join(record)
+        yield start_line, first_offset, b"".join(record)
 
 
 class LineRecords:
@@ -404,7 +403,7 @@ def _arrow():
 
 
 def _unreadable(path: Path, kind: str, error: Exception, bad: BadData) -> None:
-    bad.report("unreadable file", f"{path}: not a readable {kind} file ({_first_line(error)})")
+    bad.report("unreadable file", f"{path}: not a readable {kind} file ({first_line(error)})")
 
 
 class ParquetFile:
@@ -512,7 +511,7 @@ def open_hf_disk(path: Path, split: str) -> DatasetRows:
     try:
         dataset = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"{path}: not a directory written by datasets' save_to_disk ({_first_line(e)})") from None
+        raise DataError(f"{path}: not a directory written by datasets' save_to_disk ({first_line(e)})") from None
     if isinstance(dataset, datasets.DatasetDict):
         if split not in dataset:
             raise DataError(f"{path}: no split '{split}' (splits: {', '.join(dataset)})")
@@ -558,12 +557,10 @@ def open_hf(name: str, config: str | None, split: str) -> DatasetRows:
                     f"hf dataset '{name}' is not in the local Hugging Face caches ({caches}); fetch it on a machine "
                     f"with network and the same HF_HOME: hf download --repo-type dataset {name}"
                 ) from None
-            raise DataError(f"hf dataset '{name}': {_first_line(first)}") from None
+            raise DataError(f"hf dataset '{name}': {first_line(first)}") from None
         try:
             return DatasetRows(datasets.load_dataset(snapshot, config, split=split), where)
         except Exception as e:  # noqa: BLE001
-            raise DataError(f"hf dataset '{name}' (snapshot {snapshot}): {_first_line(e)}") from None
+            raise DataError(f"hf dataset '{name}' (snapshot {snapshot}): {first_line(e)}") from None
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -17,7 +17,7 @@ from clustertrain.data.plan import text_pieces
 from clustertrain.data.readers import check_text, json_type
 from clustertrain.data.sources import open_source, text_of
 from clustertrain.data.tokens import is_token_source
-from clustertrain.errors import DataError
+from clustertrain.errors import DataError, first_line
 
 EOS = "<|endoftext|>"
 
@@ -58,7 +58,7 @@ def load_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase | None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - on a garbage file transformers raises KeyError, AttributeError, ...
-        problem = tokenizer_files_problem(path) or f"cannot load a tokenizer from {path}: {_first_line(e)}"
+        problem = tokenizer_files_problem(path) or f"cannot load a tokenizer from {path}: {first_line(e)}"
         raise DataError(f"data.tokenizer: {problem}") from None
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {path} defines no eos_token, which packing needs between documents")
@@ -84,7 +84,7 @@ def tokenizer_files_problem(path: Path) -> str | None:
             Tokenizer.from_file(str(file))
             value = json.loads(file.read_bytes())
         except Exception as e:  # noqa: BLE001 - the Rust library raises a bare Exception
-            return (f"{file} is not a tokenizer the tokenizers library reads ({_first_line(e)}); write it with "
+            return (f"{file} is not a tokenizer the tokenizers library reads ({first_line(e)}); write it with "
                     "save_pretrained")
         if not isinstance(value.get("added_tokens"), list):  # the library defaults it, transformers needs it
             return f"{file} has no \"added_tokens\" list, which transformers reads; write it with save_pretrained"
@@ -94,14 +94,10 @@ def tokenizer_files_problem(path: Path) -> str | None:
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as e:
-            return f"{file} is not JSON ({_first_line(e)}); write it with save_pretrained"
+            return f"{file} is not JSON ({first_line(e)}); write it with save_pretrained"
         if not isinstance(value, dict):
             return f"{file} holds a JSON {json_type(value)}, not an object; write it with save_pretrained"
     return None
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def train_bpe(data: DataConfig, out_dir: Path) -> None:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from clustertrain.errors import DataError
+from clustertrain.errors import DataError, first_line
+from clustertrain.files import write_atomic
 
 # fetch(repo_id, repo_type, revision, cache, force, include=[...] | None, exclude=[...] | None) -> snapshot
 Fetch = Callable[..., Path]
@@ -183,7 +184,7 @@ def cached_snapshot(repo_id: str, repo_type: str, revision: str | None, cache: P
     except LocalEntryNotFoundError:
         return None
     except HFValidationError as e:
-        raise DataError(f"'{repo_id}' is not a Hugging Face id: {_first_line(e)}") from None
+        raise DataError(f"'{repo_id}' is not a Hugging Face id: {first_line(e)}") from None
 
 
 def hub_fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, force: bool,
@@ -202,7 +203,7 @@ def hub_fetch(repo_id: str, repo_type: str, revision: str | None, cache: Path, f
     except RepositoryNotFoundError:
         problem = f"is not a {repo_type} on the hub (private? log in with `hf auth login`; a dataset? --dataset)"
     except OSError as e:  # a missing revision, other HTTP errors, and LocalEntryNotFoundError (no connection)
-        problem = f"cannot be downloaded: {_first_line(e)}"
+        problem = f"cannot be downloaded: {first_line(e)}"
     raise DataError(f"{repo_id} {problem}")
 
 
@@ -229,7 +230,9 @@ def local_fetch(source: str | Path) -> Fetch:
         commit = revision if _GIT_SHA1.fullmatch(revision or "") else None
         if commit is None:  # a made-up commit id: the same content gives the same snapshot
             commit = hashlib.sha1(json.dumps(blobs, sort_keys=True).encode()).hexdigest()
-            _write_atomic(repo / "refs" / (revision or "main"), commit)
+            ref = repo / "refs" / (revision or "main")
+            ref.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(ref, commit)
         for name, blob in blobs.items():
             link = repo / "snapshots" / commit / name
             link.parent.mkdir(parents=True, exist_ok=True)
@@ -273,7 +276,9 @@ def write_manifest(snapshot: Path, patterns: dict[str, list[str] | None] | None 
     if problems:
         raise DataError(f"the download into {snapshot} is corrupt: {_listed(problems)}; fetch it again with --force")
     limited = {"patterns": patterns} if patterns and any(patterns.values()) else {}
-    _write_atomic(_manifest_path(snapshot), json.dumps({"files": files, **limited}, indent=1))
+    manifest = _manifest_path(snapshot)
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(manifest, json.dumps({"files": files, **limited}, indent=1))
     return files
 
 
@@ -316,13 +321,6 @@ def _git_blob_id(path: Path) -> str:
     return hashlib.sha1(b"blob %d\0" % path.stat().st_size + path.read_bytes()).hexdigest()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _shown(patterns: dict[str, list[str] | None]) -> str:
     return ", ".join(f"--{flag} {' '.join(globs)}" for flag, globs in patterns.items() if globs)
 
@@ -331,5 +329,3 @@ def _listed(problems: dict[str, str]) -> str:
     return "; ".join(f"{name} {problem}" for name, problem in problems.items())
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -6,7 +6,6 @@ stopped on purpose), because an exit code does not survive every launcher (torch
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -14,6 +13,8 @@ import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from clustertrain.files import write_atomic
 
 STATUS_FILE = "status.json"
 
@@ -35,13 +36,10 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
     }
     text = json.dumps(record, default=str) + "\n"
     run_dir.mkdir(parents=True, exist_ok=True)
-    path, tmp = run_dir / STATUS_FILE, run_dir / f".{STATUS_FILE}.tmp"
+    path = run_dir / STATUS_FILE
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        write_atomic(path, text)
     except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         if not path.is_file():
             raise
         # A full disk (or quota) has no block for a new file, but status.json already holds one, and a record of a

@@ -9,8 +9,8 @@ import contextlib
 import gc
 import json
 import math
-from collections import Counter
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +37,7 @@ from clustertrain.distributed.mesh import build_mesh
 from clustertrain.distributed.rank0 import rank0_first
 from clustertrain.distributed.stop import Preempted, StopRequests
 from clustertrain.errors import CheckpointError
+from clustertrain.files import write_atomic
 from clustertrain.model.attention import resolve_attention, use_documents
 from clustertrain.model.estimate import (check_memory_floor, count_params, model_flops_per_token, peak_flops,
                                          training_memory_floor)
@@ -111,7 +112,7 @@ class Trainer:
         if self.snapshot is not None and not cfg.data.tokenizer:
             cfg.data.tokenizer = str(self.snapshot)  # fine-tuning: the model's own tokenizer
         self.tokenizer = rank0_first("preparing the tokenizer", lambda: load_tokenizer(cfg.data))
-        self.data_seed = cfg.data.seed if cfg.data.seed is not None else cfg.train.seed
+        self.data_seed = cfg.data_seed
         self.plan = rank0_first("indexing the data sources", lambda: DataPlan(
             cfg.data, self.tokenizer, cfg.train.global_batch_size, self.data_seed, cache_root(cfg.data)
         ))  # rank 0 first: it writes the source indexes the others then read
@@ -173,8 +174,7 @@ class Trainer:
             mine = self.plan.sequences_per_epoch(self.loader.stream_ids)
             per_epoch = int(reduce_values([mine], op="min")[0])
             if self.rank0:
-                counted.with_suffix(".tmp").write_text(json.dumps({"key": key, "sequences": per_epoch}))
-                counted.with_suffix(".tmp").replace(counted)
+                write_atomic(counted, json.dumps({"key": key, "sequences": per_epoch}))
         train.steps = max(1, math.floor(train.epochs * per_epoch))
         return per_epoch
 

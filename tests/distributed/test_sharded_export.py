@@ -49,7 +49,7 @@ def exports(runs, tmp_path_factory):
 def held_out_loss(model: torch.nn.Module, run_dir) -> float:
     """The model's mean token loss on the run's held-out batches, read with the run's own data settings."""
     config = load_config(run_dir / "config.yaml")
-    seed = config.data.seed if config.data.seed is not None else config.train.seed
+    seed = config.data_seed
     plan = DataPlan(config.data, load_tokenizer(config.data), config.train.global_batch_size, seed,
                     cache_root(config.data))
     loader = StreamLoader(plan, dp_rank=0, dp_size=1, split="eval")

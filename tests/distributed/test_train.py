@@ -133,7 +133,7 @@ def prompt(runs) -> str:
     """The start of the runs' first held-out document, as the end-of-run sample shows it: its prompt."""
     config = load_config(runs["single"] / "config.yaml")
     tokenizer = AutoTokenizer.from_pretrained(runs["single"] / "checkpoints" / "step-0000010" / "tokenizer")
-    plan = DataPlan(config.data, tokenizer, config.train.global_batch_size, config.train.seed, cache_root(config.data))
+    plan = DataPlan(config.data, tokenizer, config.train.global_batch_size, config.data_seed, cache_root(config.data))
     text = tokenizer.decode(data_prompt(plan, tokenizer), skip_special_tokens=True)
     assert len(text) > 8 and "def " not in text[:4]  # not the fixed prompt of old
     return text.replace("\n", "\n" + " " * 15)  # continued lines are indented under the label

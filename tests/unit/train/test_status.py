@@ -14,21 +14,18 @@ import pytest
 
 from clustertrain.train.status import STATUS_FILE, read_status, write_status
 
-TMP = f".{STATUS_FILE}.tmp"
-
-
 def fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From now on new status files get no bytes, as on a full disk: the file is created, its write fails with
-    ENOSPC. (Rewriting the bytes of a file that has them needs no new block: that still works.)"""
-    real_write_text = Path.write_text
+    """From now on new files get no bytes, as on a full disk: the atomic write's temporary file is created, its
+    write fails with ENOSPC. (Rewriting the bytes of a file that has them needs no new block: that still works.)"""
 
-    def write_text(self, data, *args, **kwargs):
-        if self.name == TMP:
-            real_write_text(self, "")
-            raise OSError(errno.ENOSPC, "No space left on device", str(self))
-        return real_write_text(self, data, *args, **kwargs)
+    def open_on_a_full_disk(file, mode="r", *args, **kwargs):
+        opened = open(file, mode, *args, **kwargs)
+        if "w" in mode:
+            opened.close()
+            raise OSError(errno.ENOSPC, "No space left on device", str(file))
+        return opened
 
-    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr("clustertrain.files.open", open_on_a_full_disk, raising=False)
 
 
 def test_a_full_disk_still_records_failed_and_leaves_no_tmp(tmp_path, monkeypatch):
@@ -43,7 +40,8 @@ def test_a_full_disk_still_records_failed_and_leaves_no_tmp(tmp_path, monkeypatc
     assert "total_steps" not in status  # the record is rewritten whole
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATUS_FILE]
     write_status(tmp_path, "running", step=4)  # room again: the atomic way
-    assert read_status(tmp_path)["state"] == "running" and not (tmp_path / TMP).exists()
+    assert read_status(tmp_path)["state"] == "running"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [STATUS_FILE]
 
 
 def test_a_shorter_record_in_place_leaves_nothing_of_the_longer_one(tmp_path, monkeypatch):
