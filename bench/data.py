@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_sft:
             sft_cfg = over(sft, "run-sft", "data.mode=sft")
             measure_phase(args, "sft", sft_cfg, [("sft jsonl", sft_cfg)], tokenizer, rates, rows)
-        headline = print_part1(args, rows, rates, default.train.global_batch_size * default.data.seq_len)
+        headline = print_part1(args, rows, rates, default.tokens_per_step)
 
         restore_cfg = over(big, "run-restore")
         table, forward_rate = measure_restore(args, restore_cfg, tokenizer)

@@ -239,7 +239,7 @@ def run_reference(cfg, steps: int, compile: bool, loss: str) -> dict:
     )
     generator = torch.Generator().manual_seed(0)
     shape = (cfg.train.global_batch_size, cfg.data.seq_len + 1)
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    tokens = cfg.tokens_per_step
     rates = []
     for _ in range(steps):
         start = time.perf_counter()

@@ -173,7 +173,7 @@ def describe_model(base: list[str]) -> str:
     return (f"model: {cfg.model.arch} hidden {hf.hidden_size} x {hf.num_hidden_layers} layers, "
             f"{hf.num_attention_heads} heads, vocab {hf.vocab_size}: {params / 1e6:.2f}M parameters; "
             f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} = "
-            f"{cfg.train.global_batch_size * cfg.data.seq_len} tokens/step (micro {cfg.train.micro_batch_size})")
+            f"{cfg.tokens_per_step} tokens/step (micro {cfg.train.micro_batch_size})")
 
 
 def threads_for(layout: Layout, args: argparse.Namespace, cores: int) -> int:

@@ -265,7 +265,7 @@ def total_steps(config: RunConfig) -> int:
     sets at start, once the data is counted). The global batch must be resolved (apply_layout)."""
     train = config.train
     if train.tokens:
-        return math.ceil(train.tokens / (train.global_batch_size * config.data.seq_len))
+        return math.ceil(train.tokens / config.tokens_per_step)
     if train.steps is None:
         raise ConfigError("train: set train.steps, train.tokens or train.epochs")
     return train.steps

@@ -209,6 +209,11 @@ class DataConfig(Section):
     )
     cache_dir: str | None = Field(None, description="Tokenizer and index caches; default ~/.cache/clustertrain.")
 
+    @property
+    def packed_documents(self) -> bool:
+        """Whether a row's documents must not see each other: doc masking, or SFT's examples."""
+        return self.doc_masking or self.mode == "sft"
+
 
 class ParallelConfig(Section):
     strategy: Literal["ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3"] = Field(
@@ -540,6 +545,11 @@ class RunConfig(Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.train.run_dir or f"runs/{self.name}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """The tokens of one optimizer step: train.global_batch_size rows of data.seq_len."""
+        return self.train.global_batch_size * self.data.seq_len
 
     @property
     def data_seed(self) -> int:

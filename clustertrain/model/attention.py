@@ -1,7 +1,7 @@
 """Which attention kernel a run uses (`model.attn_implementation`), and keeping packed documents apart with it.
 
     attn = resolve_attention(model.attn_implementation, hf_config, device.type, dtype=torch.bfloat16,
-                             packed_documents=data.doc_masking or data.mode == "sft", pipeline=parallel.pp > 1)
+                             packed_documents=data.packed_documents, pipeline=parallel.pp > 1)
     meta = build_meta_model(hf_config, lora, base_dtype, attn)   # clustertrain.model.load
 
 `auto` is sdpa, except on a GPU when attention must stay inside the documents packed into a row (position

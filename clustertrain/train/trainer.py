@@ -128,7 +128,7 @@ class Trainer:
         self.hf_config = build_hf_config(cfg.model, self.tokenizer, cfg.data.vocab_size)
         self.attention = attn = resolve_attention(cfg.model.attn_implementation, self.hf_config, self.device.type,
                                  dtype=DTYPES[cfg.parallel.param_dtype], pipeline=cfg.parallel.pp > 1,
-                                 packed_documents=cfg.data.doc_masking or cfg.data.mode == "sft")
+                                 packed_documents=cfg.data.packed_documents)
         meta = build_meta_model(self.hf_config, cfg.lora, DTYPES[cfg.parallel.param_dtype], attn)
         kernels = apply_kernels(meta, cfg.model.kernels, self.device, self.mesh.tp)
         self.loss_kind, loss_note = apply_loss_head(meta, resolve_loss(cfg.train.loss, self.hf_config.vocab_size),
@@ -154,7 +154,7 @@ class Trainer:
         self.scaler = (ShardedGradScaler(self.device.type, init_scale=cfg.parallel.loss_scale)
                        if cfg.parallel.param_dtype == "float16" else None)
         self.total_steps = total_steps(cfg)
-        self.tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+        self.tokens_per_step = cfg.tokens_per_step
         self.peak_flops = cfg.metrics.peak_flops or peak_flops(self.device, DTYPES[cfg.parallel.param_dtype])
 
     def _resolve_epochs(self) -> int | None:
@@ -348,7 +348,7 @@ class Trainer:
             if self.audit:
                 self.audit.record(self.step + 1, batch["origins"])
         keys = ["input_ids", "labels"]
-        if self.config.data.doc_masking or self.config.data.mode == "sft":
+        if self.config.data.packed_documents:
             keys.append("position_ids")
         moved = {k: batch[k].to(self.device, non_blocking=True) for k in keys}
         if "position_ids" in moved and self.attention == "flash_attention_2":
