@@ -24,11 +24,10 @@ def logits_of(model, ids: list[int]) -> list[float]:
 
 
 def write(out: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as pytest puts it for the suite
     import peft
+    from helpers import TINY, run_cli, train
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tests.helpers import TINY, run_cli, train
 
     theta = ("model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 4, "
              "num_key_value_heads: 2, max_position_embeddings: 256, rope_theta: 500000}")
