@@ -269,3 +269,14 @@ def total_steps(config: RunConfig) -> int:
     if train.steps is None:
         raise ConfigError("train: set train.steps, train.tokens or train.epochs")
     return train.steps
+
+
+def check_budget_reaches(train: TrainConfig, total: int, step: int, checkpoint: object) -> None:
+    """A resumed run's budget (`total` steps) must reach past its checkpoint's `step`: below it, the run would
+    "train" from step 4 of 2 and report success."""
+    if step <= total:
+        return
+    key = next(k for k in ("tokens", "epochs", "steps") if getattr(train, k) is not None)
+    budget = f"train.{key} = {getattr(train, key)}" + (f" ({total} steps)" if key != "steps" else "")
+    raise ConfigError(f"{budget} is below the checkpoint's step {step} ({checkpoint}); set train.{key} to train past "
+                      f"step {step}, or start over with --resume none --overwrite")

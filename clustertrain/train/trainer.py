@@ -21,7 +21,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.base import base_reference
 from clustertrain.checkpoint.manager import CheckpointManager
-from clustertrain.config.checks import apply_layout, resolve_layout, total_steps
+from clustertrain.config.checks import apply_layout, check_budget_reaches, resolve_layout, total_steps
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
 from clustertrain.data.audit import AuditLog
@@ -225,12 +225,7 @@ class Trainer:
         if not path.is_dir():
             raise CheckpointError(f"train.resume: checkpoint {path} does not exist")
         state = ckpt.load_checkpoint(path, self.runner.parts, self.optimizer, snapshot=self.snapshot)
-        if state["step"] > self.total_steps:  # it would "train" from step 4 of 2 and report success
-            key = next(k for k in ("tokens", "epochs", "steps") if getattr(self.config.train, k) is not None)
-            budget = f"train.{key} = {getattr(self.config.train, key)}" + (
-                f" ({self.total_steps} steps)" if key != "steps" else "")
-            raise CheckpointError(f"{budget} is below the checkpoint's step {state['step']} ({path}); set train.{key} "
-                                  f"to train past step {state['step']}, or start over with --resume none --overwrite")
+        check_budget_reaches(self.config.train, self.total_steps, state["step"], path)
         self.step, self.tokens_seen = state["step"], state["tokens_seen"]
         if "data" in state:  # an imported model starts the data from the beginning
             self.loader.load_state_dict(state["data"])
