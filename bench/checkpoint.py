@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from clustertrain.checkpoint import dcp as ckpt  # noqa: E402
 from clustertrain.checkpoint.manager import CheckpointManager  # noqa: E402
-from clustertrain.config.load import load_config  # noqa: E402
+from clustertrain.run_dir import RunDir  # noqa: E402
+from clustertrain.model.spec import load_checked_config  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 DESCRIPTION = "checkpoint save MB/s against the disk's sequential write speed, and async vs sync blocking time"
@@ -99,7 +100,9 @@ class BenchManager(CheckpointManager):
     def __init__(self, root: Path, trainer: Trainer, async_save: bool, every: int, keep_last: int | None):
         config = trainer.config.checkpoint.model_copy(update={"async_save": async_save, "every": every,
                                                               "keep_last": keep_last})
-        super().__init__(root, config, trainer.total_steps, trainer.logger.info, trainer.device)
+        own = trainer.checkpoints  # the trainer's manager (or the previous BenchManager): what it saves, and how
+        super().__init__(RunDir(root), config, trainer.total_steps, trainer.device, own.extras, trainer.logger.info)
+        self.tracked = own.tracked
         self.round_start = 0
         self.in_save = False
         self.wait_prev_s: list[float] = []   # save() waiting for the previous (async) save and committing it
@@ -109,7 +112,7 @@ class BenchManager(CheckpointManager):
     def due(self, step: int) -> bool:
         return bool(self.config.every) and (step - self.round_start) % self.config.every == 0
 
-    def save(self, step, model, optimizer, train_state, write_extras, *, wait=False, final=False):
+    def save(self, step, tokens_seen, *, wait=False, final=False):
         start = time.perf_counter()
         if self._pending is not None:  # what CheckpointManager.save does first, timed on its own
             CheckpointManager.finalize(self)
@@ -117,7 +120,7 @@ class BenchManager(CheckpointManager):
         start = time.perf_counter()
         self.in_save = True
         try:
-            path = super().save(step, model, optimizer, train_state, write_extras, wait=wait, final=final)
+            path = super().save(step, tokens_seen, wait=wait, final=final)
         finally:
             self.in_save = False
         if self._pending is not None and self._pending[0] is not None:  # async write in flight
@@ -306,7 +309,7 @@ def part2(trainer: Trainer, root: Path, args: argparse.Namespace, ref_distcp: in
             if trainer.device.type == "cuda":
                 torch.cuda.synchronize(trainer.device)
             elapsed = time.perf_counter() - start
-            trainer._commit(m.finalize())  # drain: the last async save is written and committed
+            m.finalize()  # drain: the last async save is written and committed
             drain = sum(m.drain_s[n_drain:])
             steps_s[mode].append(elapsed)
             if mode == "async":
@@ -405,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         MODEL,
         *args.overrides,
     ]
-    cfg = load_config(None, overrides)
+    cfg = load_checked_config(None, overrides)
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     try:

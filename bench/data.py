@@ -61,12 +61,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from clustertrain.config.load import load_config  # noqa: E402
 from clustertrain.data.loader import StreamLoader  # noqa: E402
 from clustertrain.data.mixture import window_permutation  # noqa: E402
 from clustertrain.data.plan import DataPlan  # noqa: E402
 from clustertrain.data.sources import stdlib_files  # noqa: E402
 from clustertrain.data.tokenize import cache_root, load_tokenizer, tokenizer_dir  # noqa: E402
+from clustertrain.model.spec import load_checked_config  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 DP_SIZE = 2  # the demo's layout: `clustertrain train --nproc 2`
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp_path = Path(tmp)
         common = ["train.resume=none", "train.eval_every=0", "train.sample_tokens=0", "checkpoint.every=0",
                   "metrics.progress=none", *args.overrides]
-        default = load_config(None, [f"train.run_dir={tmp_path / 'run-default'}", *common])
+        default = load_checked_config(None, [f"train.run_dir={tmp_path / 'run-default'}", *common])
         tokenizer = load_tokenizer(default.data)  # trained once and cached, as a first run does
         tok_dir = tokenizer_dir(default.data)
         if default.data.mode != "pretrain":
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         gen_sft = time.perf_counter() - t0
 
         def over(path: Path, run: str, *extra: str):
-            return load_config(None, [
+            return load_checked_config(None, [
                 f"train.run_dir={tmp_path / run}", *common, f"data.sources=[{{path: '{path}'}}]",
                 f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path / 'cache'}", *extra,
             ])

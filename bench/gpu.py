@@ -21,14 +21,14 @@ clipped to optim.grad_clip, fused AdamW, sdpa attention, and a fresh batch drawn
 copied to the GPU. Each prints one `ran:` line saying what it runs as it starts (wrapper, precision, loss,
 kernels, compile, clipping, data path).
 
-* clustertrain: `Trainer` on `load_config(None, overrides)` with `data.mode=random` and every other setting at
+* clustertrain: `Trainer` on `load_checked_config(None, overrides)` with `data.mode=random` and every other setting at
   its default (loss: chunked for this vocabulary, Liger where installed); `--compile` sets `parallel.compile`.
   tokens/s, MFU and memory are the trainer's own, read back from its metrics.jsonl (`metrics.log_every=1`). The
   run is one step longer than the benchmark, so no final checkpoint is written.
 * reference-full: `AutoModelForCausalLM.from_config` with the same HF config (lora: `peft.get_peft_model` on the
   bf16 model, adapters fp32), `F.cross_entropy` on the full fp32 logits [batch, seq, vocab].
 * reference-chunked: the same loop with the output layer and loss `train.loss_chunk_tokens` tokens at a time
-  (`clustertrain.train.loss.chunked_loss_sum`): what the full logits cost, beside them.
+  (`clustertrain.model.loss.chunked_loss_sum`): what the full logits cost, beside them.
   `--compile` compiles every block and the loss on both reference rows.
 
 Reported per workload: median tokens/s over the steps after --warmup, MFU (`clustertrain.model.estimate`:
@@ -136,7 +136,6 @@ def say_what_runs(runner: str, **parts: str) -> None:
 
 def run_clustertrain(cfg, steps: int) -> dict:
     """The trainer's real step path; its metrics.jsonl has tokens/s, MFU and memory for every step."""
-    from clustertrain.parallel.apply import data_parallel_wrapper
     from clustertrain.train.metrics import read_jsonl
     from clustertrain.train.trainer import Trainer
 
@@ -144,7 +143,7 @@ def run_clustertrain(cfg, steps: int) -> dict:
     try:
         trainer.build()
         model, p = trainer.runner.parts[0], cfg.parallel
-        wrapper = data_parallel_wrapper(p, trainer.mesh) or "none"
+        wrapper = trainer.mesh.layout.wrapper or "none"
         liger = any("Liger" in getattr(m.forward, "__qualname__", "") for m in model.modules())
         say_what_runs(
             "clustertrain", wrapper=f"{wrapper} ({trainer.mesh.dp_size} data-parallel rank)",
@@ -182,9 +181,9 @@ def run_reference(cfg, steps: int, compile: bool, loss: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     from clustertrain.model.estimate import model_flops_per_token, peak_flops
-    from clustertrain.model.load import build_hf_config
+    from clustertrain.model.build import build_hf_config
     from clustertrain.parallel.apply import DTYPES
-    from clustertrain.train.loss import chunked_loss_sum
+    from clustertrain.model.loss import chunked_loss_sum
     from clustertrain.train.memory import memory_gb
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -268,12 +267,12 @@ def run_one(args: argparse.Namespace) -> int:
     """Child process: one runner on one workload; the result goes to --result as JSON."""
     import torch
 
-    from clustertrain.config.load import load_config
+    from clustertrain.model.spec import load_checked_config
 
     w = shape(WORKLOADS[args.workload], args.tiny)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     with tempfile.TemporaryDirectory(prefix="clustertrain-bench-gpu-") as run_dir:
-        cfg = load_config(None, overrides(w, dtype, args.steps, args.compile, run_dir, args.overrides))
+        cfg = load_checked_config(None, overrides(w, dtype, args.steps, args.compile, run_dir, args.overrides))
         if args.runner == "clustertrain":
             result = run_clustertrain(cfg, args.steps)
         else:

@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from clustertrain.config.load import load_config
 from clustertrain.data.tokenize import load_tokenizer
+from clustertrain.model.spec import load_checked_config
 
 DATA = ["data.sources=[{format: stdlib, max_bytes: 2000000}]", "data.vocab_size=4096", "data.seq_len=128"]
 
 
 def snapshot(out: Path) -> int:
     """Save the benchmark model with the locally trained tokenizer; returns its parameter count."""
-    tokenizer = load_tokenizer(load_config(None, DATA).data)
+    tokenizer = load_tokenizer(load_checked_config(None, DATA).data)
     config = AutoConfig.for_model("llama", vocab_size=len(tokenizer), hidden_size=384, intermediate_size=1024,
                                   num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=6,
                                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)

@@ -162,12 +162,12 @@ def describe_model(base: list[str]) -> str:
 
     Loading the tokenizer here also trains and caches it once, before any timed run needs it.
     """
-    from clustertrain.config.load import load_config
     from clustertrain.data.tokenize import load_tokenizer
+    from clustertrain.model.build import build_hf_config, build_meta_model
     from clustertrain.model.estimate import count_params
-    from clustertrain.model.load import build_hf_config, build_meta_model
+    from clustertrain.model.spec import load_checked_config
 
-    cfg = load_config(None, base)
+    cfg = load_checked_config(None, base)
     hf = build_hf_config(cfg.model, load_tokenizer(cfg.data), cfg.data.vocab_size)
     params = count_params(build_meta_model(hf))["total"]
     return (f"model: {cfg.model.arch} hidden {hf.hidden_size} x {hf.num_hidden_layers} layers, "

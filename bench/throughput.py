@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from clustertrain.config.load import load_config  # noqa: E402
 from clustertrain.data.loader import StreamLoader  # noqa: E402
+from clustertrain.model.spec import load_checked_config  # noqa: E402
 from clustertrain.parallel.apply import DTYPES, unwrap  # noqa: E402
 from clustertrain.train.metrics import read_jsonl  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
@@ -121,7 +121,7 @@ class HandWrittenSide:
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=True
         )
         self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-        self.micro = trainer.micro_batch_size
+        self.micro = trainer.layout.micro_batch
         # A lower-precision param_dtype is run under autocast, as clustertrain does for DDP.
         dtype = DTYPES[cfg.parallel.param_dtype]
         self.autocast = None if dtype == torch.float32 else dtype
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "metrics.progress=none",
             *args.overrides,
         ]
-        cfg = load_config(None, overrides)
+        cfg = load_checked_config(None, overrides)
         t0 = time.perf_counter()
         trainer = Trainer(cfg)
         try:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"model: {cfg.model.arch} {p / 1e6:.2f}M params (hidden {getattr(hf, 'hidden_size', '?')}, "
                   f"{getattr(hf, 'num_hidden_layers', '?')} layers, vocab {hf.vocab_size})")
             print(f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} = {tokens_per_step} tokens/step, "
-                  f"micro {trainer.micro_batch_size} | device {trainer.device.type}, {torch.get_num_threads()} "
+                  f"micro {trainer.layout.micro_batch} | device {trainer.device.type}, {torch.get_num_threads()} "
                   f"threads | torch {torch.__version__}")
             print(f"built in {build_s:.1f}s; warmup {args.warmup} steps per side, then {args.rounds} rounds x "
                   f"{args.steps_per_round} steps per side, alternating order; metrics.log_every="

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import json
 import os
 import pickle
 import shutil
@@ -33,18 +32,23 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from clustertrain.checkpoint.base import check_base
 from clustertrain.checkpoint.compat import write_legacy_config, write_portable_tokenizer_class
-from clustertrain.checkpoint.dcp import STEP_DIR, latest_checkpoint, list_checkpoints, with_hint
+from clustertrain.checkpoint.dcp import STEP_DIR, latest_checkpoint, list_checkpoints
+from clustertrain.checkpoint.load import with_hint
 from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
-from clustertrain.checkpoint.reader import (TRAIN_STATE, DamagedCheckpoint, OpenedCheckpoint, check_fits, load_state,
+from clustertrain.checkpoint.reader import (DamagedCheckpoint, OpenedCheckpoint, check_fits, load_state,
                                             open_checkpoint)
 from clustertrain.checkpoint.stream import (Snapshot, check_checkpoint_fits, load_adapters, plan_entries,
                                             write_adapter, write_weights)
-from clustertrain.config.load import dump_config, load_config, validate
+from clustertrain.checkpoint.train_state import TRAIN_STATE, TrainState
+from clustertrain.config.load import dump_config, validate
 from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import DataConfig, RunConfig
 from clustertrain.errors import CheckpointError, first_line
-from clustertrain.model.load import build_hf_config, build_meta_model
+from clustertrain.files import write_atomic
+from clustertrain.model.build import build_hf_config, build_meta_model
+from clustertrain.model.spec import load_checked_config, model_config_problems
 from clustertrain.model.weights import init_weights, load_pretrained, refusal
+from clustertrain.run_dir import RunDir
 
 # Config fields that describe the file rather than the model; they never go into model.config.
 _FILE_FIELDS = {"architectures", "dtype", "torch_dtype", "transformers_version", "model_type", "auto_map"}
@@ -61,7 +65,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    newest = latest_checkpoint(path / "checkpoints")
+    newest = latest_checkpoint(RunDir(path).checkpoints)
     if newest is not None:
         return newest
     raise CheckpointError(f"{path} is not a complete clustertrain checkpoint (no {TRAIN_STATE}) nor a run with one")
@@ -104,7 +108,7 @@ def open_for_export(ckpt_dir: str | Path) -> Checkpoint:
         raise with_hint(str(e), path, resume=False) from None
     if not (path / "config.yaml").is_file():
         raise CheckpointError(f"{path}: no config.yaml, so the model cannot be rebuilt")
-    config = load_config(path / "config.yaml")
+    config = load_checked_config(path / "config.yaml")
     _refuse_custom_code(path / "tokenizer", path / "model")
     tokenizer = None
     if (path / "tokenizer").is_dir():
@@ -114,7 +118,7 @@ def open_for_export(ckpt_dir: str | Path) -> Checkpoint:
     else:  # An imported model pins its vocab_size, which may be below data.vocab_size's floor.
         vocab_size = config.model.config.get("vocab_size", config.data.vocab_size)
         hf_config = build_hf_config(config.model, tokenizer, vocab_size)
-    base = opened.train_state.get("base")
+    base = opened.train_state.base
     base_dir = check_base(base, path) if base else None
     return Checkpoint(path, opened, config, hf_config, tokenizer, base_dir)
 
@@ -256,8 +260,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         if tokenizer is not None:
             tokenizer.save_pretrained(folder / "tokenizer")
         # Last, as in training: the train state marks the folder complete.
-        state = {"step": 0, "tokens_seen": 0, "imported_from": str(hf_dir.resolve())}
-        (folder / TRAIN_STATE).write_text(json.dumps(state, indent=1))
+        write_atomic(folder / TRAIN_STATE, TrainState(imported_from=str(hf_dir.resolve())).to_json())
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
@@ -287,7 +290,7 @@ def run_config_for(hf_config: PretrainedConfig, hf_dir: Path, has_tokenizer: boo
     positions = getattr(hf_config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions < DataConfig.model_fields["seq_len"].default:
         raw["data"]["seq_len"] = positions  # the default would be longer than the model takes
-    return validate(raw)
+    return validate(raw, checks=(model_config_problems,))
 
 
 def _refuse_custom_code(*folders: Path) -> None:
@@ -305,14 +308,15 @@ def _refuse_checkpoints_folder(out_dir: Path) -> None:
     """Refuse an export into a checkpoint or a run's checkpoints/ folder: it would be taken for a checkpoint, or
     removed as an interrupted one (its hidden `.tmp-step-N` sibling is the name of a save in flight)."""
     out = out_dir.resolve()
-    if out.parent.name == "checkpoints" and STEP_DIR.match(out.name):
+    if out.parent == RunDir(out.parent.parent).checkpoints and STEP_DIR.match(out.name):
         raise CheckpointError(f"{out_dir} is named like a checkpoint (checkpoints/step-N) and would be taken for "
                               "one; export to another directory, e.g. exports/<name>")
     for folder in out.parents:
         if (folder / TRAIN_STATE).is_file():
             raise CheckpointError(f"{out_dir} is inside the checkpoint {folder}; export to a directory of its own, "
                                   "e.g. exports/<name>")
-        if folder.name == "checkpoints" and (list_checkpoints(folder) or (folder.parent / "status.json").is_file()):
+        run = RunDir(folder.parent)
+        if folder == run.checkpoints and (list_checkpoints(folder) or run.status.is_file()):
             raise CheckpointError(f"{out_dir} is inside the checkpoints folder of the run {folder.parent}, whose "
                                   "saves and clean-ups own it; export to a directory of its own, e.g. exports/<name>")
 

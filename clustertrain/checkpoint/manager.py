@@ -1,4 +1,11 @@
-"""When to save and what to keep: retention, async saves, disk errors.
+"""A run's checkpoints, from start to end: which one a start resumes, loading it, saving (sync or async),
+retention, disk errors.
+
+    checkpoints = CheckpointManager(RunDir(run_dir), config.checkpoint, final_step, device, extras)
+    checkpoints.choose(config.train.resume, config.train.overwrite)  # before the model is built: fail fast
+    checkpoints.tracked = Tracked(runner.parts, optimizer, loader, scaler)  # once they are built
+    state = checkpoints.resume()                 # restores them; the TrainState, or None for a fresh start
+    checkpoints.save(step, tokens_seen)          # final=True: the run's last, which must succeed
 
 A run's last save must succeed: if it fails, the run fails with SAVE_FAILED_EXIT_CODE. (Stopping on a
 signal or the walltime, and the exit code that asks for a requeue, are clustertrain.distributed.stop's.)
@@ -11,6 +18,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +29,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.optim import Optimizer
 
 from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.checkpoint.base import base_reference
+from clustertrain.checkpoint.load import load_checkpoint
+from clustertrain.checkpoint.train_state import TrainState
 from clustertrain.config.schema import CheckpointConfig
 from clustertrain.distributed.collectives import reduce_values
 from clustertrain.errors import CheckpointError
+from clustertrain.run_dir import RunDir
 
 WRITE_ERRORS = (Exception, CheckpointException)  # DCP's exception derives from BaseException
 SAVE_FAILED_EXIT_CODE = 74  # EX_IOERR: a checkpoint could not be written (disk full, quota, permissions)
@@ -39,52 +51,155 @@ class SaveFailed(CheckpointError):
     exit_code = SAVE_FAILED_EXIT_CODE
 
 
+@dataclass
+class StandAlone:
+    """What makes a checkpoint folder usable alone: the run's resolved config, and the model's HF config and
+    tokenizer when they come from a snapshot the checkpoint must not depend on.
+
+    Attributes:
+        snapshot: the local model the run started from; with `adapters_only`, a checkpoint holds only what
+            trains and refers to this snapshot for the frozen rest (clustertrain.checkpoint.base).
+        strategy: the run's parallel.strategy, recorded in the train state.
+    """
+
+    config_yaml: str
+    hf_config: Any = None  # transformers.PretrainedConfig
+    tokenizer: Any = None
+    snapshot: Path | None = None
+    adapters_only: bool = False
+    strategy: str | None = None
+
+    def write(self, folder: Path) -> None:
+        """Rank 0 writes these into a checkpoint folder before its train state."""
+        (folder / "config.yaml").write_text(self.config_yaml)
+        if self.snapshot is not None and self.hf_config is not None:
+            self.hf_config.save_pretrained(folder / "model")
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(folder / "tokenizer")
+
+
+@dataclass
+class Tracked:
+    """The run's objects a checkpoint saves and a resume restores in place."""
+
+    parts: nn.Module | list[nn.Module]  # the model, or this rank's pipeline stages
+    optimizer: Optimizer | None
+    loader: Any = None  # the data position: state_dict() (a collective: every rank saves) and load_state_dict()
+    scaler: Any = None  # float16's loss scaler
+
+
 class CheckpointManager:
-    """Saves (sync or async, at most one in flight), prunes old checkpoints, survives failed writes.
+    """Owns a run's checkpoint folder: the checkpoint a start resumes (choose, resume), and saves (sync or async,
+    at most one in flight), pruned to the retention, surviving failed writes.
 
     An async save is committed by the first `commit_if_done()` after its write has finished, or by the next
     save or `finalize()`, which wait for it.
     """
 
-    def __init__(self, root: Path, config: CheckpointConfig, final_step: int, log: Callable[[str], None],
-                 device: torch.device):
-        self.root, self.config, self.final_step, self.log = root, config, final_step, log
+    def __init__(self, run: RunDir, config: CheckpointConfig, final_step: int, device: torch.device,
+                 extras: StandAlone, log: Callable[[str], None] = print):
+        self.run, self.root = run, run.checkpoints
+        self.config, self.final_step, self.extras, self.log = config, final_step, extras, log
         # auto: async on GPUs, where the step waits only for a copy into pinned host memory; on the CPU the
         # copy is most of a save's cost, and the background write would compete with training for the cores
         self.async_save = device.type == "cuda" if config.async_save == "auto" else config.async_save
         self.pinned_staging = self.async_save and device.type == "cuda"
         self._staging: dict[str, Any] | None = None  # made at the first save, then kept: it holds the buffers
         self.rank0 = dist.get_rank() == 0
-        self._pending: tuple[Future | None, int, dict[str, Any], Callable[[Path], None]] | None = None
-        self.last: Path | None = None
+        self._pending: tuple[Future | None, int, TrainState] | None = None
+        self.tracked: Tracked | None = None  # set once the model, optimizer and loader are built
+        self.chosen: Path | None = None  # the checkpoint this start resumes from (choose)
+        self._start_over = False  # train.overwrite: the run directory's earlier run is moved aside at resume()
+        self.last: Path | None = None  # the newest committed checkpoint of this run (the resumed one at first)
+        self.saved_step: int | None = None  # the step of the last save started (or resumed from)
         self.failed_step: int | None = None  # the step of the last save that failed
         self.blocking_s: list[float] = []
         self._async_group = None
 
+    # ---- resume ------------------------------------------------------------------------------
+    def choose(self, resume: str, overwrite: bool) -> Path | None:
+        """The checkpoint this start resumes from (every rank calls): `train.resume`'s path, or under auto the
+        newest complete one; None for a fresh start. Rank 0 first removes the leftovers of interrupted saves
+        (publishing one that was stopped after its last write). The run directory is locked: no other run
+        adds a checkpoint.
+
+        Raises:
+            CheckpointError: train.resume names no folder, or is 'none' where checkpoints exist without
+                train.overwrite.
+        """
+        if self.rank0:
+            ckpt.remove_incomplete(self.root)
+        dist.barrier()
+        latest = ckpt.latest_checkpoint(self.root)
+        if resume == "none" and latest is not None and not overwrite:
+            raise CheckpointError(
+                f"{self.run.root} already holds checkpoints and train.resume is 'none'; use --resume auto to "
+                "continue it, --overwrite to start over (the old run is moved aside), or another train.run_dir"
+            )
+        self._start_over = resume == "none" and latest is not None
+        self.chosen = None if resume == "none" else latest if resume == "auto" else Path(resume)
+        if self.chosen is not None and not self.chosen.is_dir():
+            raise CheckpointError(f"train.resume: checkpoint {self.chosen} does not exist")
+        return self.chosen
+
+    def resume(self) -> TrainState | None:
+        """Load the chosen checkpoint into the tracked objects (every rank calls) and return its train state;
+        None for a fresh start, which moves an earlier run aside under train.overwrite (nothing is deleted)."""
+        if self._start_over:
+            dist.barrier()  # every rank has seen the old checkpoints before rank 0 moves them
+            if self.rank0:
+                moved = self.run.move_aside()
+                print(f"moved the previous run's files to {moved}", flush=True)
+            dist.barrier()
+        if self.chosen is None:
+            return None
+        tracked = self.tracked
+        state = load_checkpoint(self.chosen, tracked.parts, tracked.optimizer, snapshot=self.extras.snapshot)
+        if tracked.loader is not None and state.data is not None:  # an imported model starts the data afresh
+            tracked.loader.load_state_dict(state.data)
+        if tracked.scaler is not None and state.grad_scaler is not None:
+            tracked.scaler.load_state_dict(state.grad_scaler)
+        self.last, self.saved_step = self.chosen, state.step
+        return state
+
+    # ---- save --------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
         return bool(self.config.every) and step % self.config.every == 0
 
-    def save(self, step: int, model: nn.Module, optimizer: Optimizer, train_state: dict[str, Any],
-             write_extras: Callable[[Path], None], *, wait: bool = False, final: bool = False) -> Path | None:
-        """Save `step`; returns the committed folder (None while an async save is still writing, or if it failed).
+    def saved(self, step: int) -> bool:
+        """Whether `step` is saved already, or being written (and that save has not failed)."""
+        return self.saved_step == step and self.failed_step != step
 
-        A `train_state` with a `base` (LoRA on a snapshot) saves only the trainable weights and their optimizer
-        state. `final`: the run ends with this save (its budget, `train.stop_after_steps`, a stop signal), so it
-        is waited for, and a failure raises SaveFailed whatever `checkpoint.on_error` says.
+    def save(self, step: int, tokens_seen: int, *, wait: bool = False, final: bool = False) -> Path | None:
+        """Save the tracked objects at `step`; returns the committed folder (None while an async save is still
+        writing, or if it failed). Every rank calls.
+
+        With `extras.adapters_only` only the trainable weights and their optimizer state are saved, with a
+        reference to the base snapshot. `final`: the run ends with this save (its budget,
+        `train.stop_after_steps`, a stop signal), so it is waited for, and a failure raises SaveFailed whatever
+        `checkpoint.on_error` says.
         """
         start = time.perf_counter()  # blocking time includes waiting for the previous save
+        self.saved_step = step
         self.finalize()  # the previous save's write reads the staging buffers this save reuses
         if self.async_save and self._async_group is None:
             self._async_group = dist.new_group(backend="gloo")
         if self.pinned_staging and self._staging is None:
             self._staging = ckpt.pinned_staging()
+        tracked, extras = self.tracked, self.extras
+        state = TrainState(
+            step=step, tokens_seen=tokens_seen, total_steps=self.final_step, world_size=dist.get_world_size(),
+            data=tracked.loader.state_dict() if tracked.loader is not None else None,  # gathered from every rank
+            strategy=extras.strategy, grad_scaler=tracked.scaler.state_dict() if tracked.scaler else None,
+            base=base_reference(extras.snapshot) if extras.adapters_only else None,  # it holds only what trains
+        )
         try:
-            future = ckpt.write_shards(self.root, step, model, optimizer, async_group=self._async_group,
-                                       staging=self._staging, trainable_only="base" in train_state)
+            future = ckpt.write_shards(self.root, step, tracked.parts, tracked.optimizer, async_group=self._async_group,
+                                       staging=self._staging, trainable_only=extras.adapters_only)
         except WRITE_ERRORS as e:  # any write failure: report, keep the previous checkpoint
             self._failed(step, e, final)
             return None
-        self._pending = (future, step, train_state, write_extras)
+        self._pending = (future, step, state)
         path = self.finalize(final=final) if wait or final or not self.async_save else None
         self.blocking_s.append(time.perf_counter() - start)
         return path
@@ -115,12 +230,12 @@ class CheckpointManager:
         """
         if self._pending is None:
             return None
-        future, step, train_state, write_extras = self._pending
+        future, step, state = self._pending
         self._pending = None
         try:
             if future is not None:
                 future.result()
-            path = ckpt.commit(self.root, step, train_state, write_extras)
+            path = ckpt.commit(self.root, step, state, self.extras.write)
         except WRITE_ERRORS as e:
             self._failed(step, e, final)
             return None

@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    TensorStorageMetadata)
 from torch.futures import Future
 
+from clustertrain.checkpoint.train_state import TRAIN_STATE, TrainState
 from clustertrain.distributed.collectives import all_gather_objects, all_reduce
 from clustertrain.errors import CheckpointError, first_line
 from clustertrain.model.weights import refusal
 
 METADATA = ".metadata"
-TRAIN_STATE = "train_state.json"
 OTHER_SHAPES = "; it was saved by a model of other shapes (compare model.arch and model.config with its config.yaml)"
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # Every global a DCP `.metadata` refers to. Found by unpickling real checkpoints (2-rank FSDP with DTensors,
@@ -192,7 +192,7 @@ def load_state(state: dict[str, Any], path: Path, metadata: Metadata) -> None:
 
 @dataclasses.dataclass
 class OpenedCheckpoint:
-    train_state: dict[str, Any]
+    train_state: TrainState
     metadata: Metadata
     rng: dict[str, Any] | None  # this rank's RNG state; None where the saving run had no such rank
 
@@ -205,16 +205,15 @@ def open_checkpoint(path: Path, rng_rank: int | None = None, shards: bool = True
         DamagedCheckpoint: naming the first file that is missing, truncated or not what it should be.
     """
     file = path / TRAIN_STATE
-    train_state = _read_json(file)
-    for key in ("step", "tokens_seen", "world_size"):
-        value = train_state.get(key, 0 if key == "world_size" else None) if isinstance(train_state, dict) else None
-        if type(value) is not int or value < 0:  # an imported model's checkpoint has no world_size
-            raise DamagedCheckpoint(f"{file}: {key} is {value!r}, not a count")
+    try:
+        train_state = TrainState.from_dict(_read_json(file), file)
+    except ValueError as e:
+        raise DamagedCheckpoint(str(e)) from None
     metadata = read_metadata(path)
     if shards:
         _check_shards(path, metadata)
     rng = None
-    if rng_rank is not None and rng_rank < train_state.get("world_size", 0):
+    if rng_rank is not None and rng_rank < (train_state.world_size or 0):
         rng = read_rng(path / f"rng-{rng_rank}.json")
     return OpenedCheckpoint(train_state, metadata, rng)
 

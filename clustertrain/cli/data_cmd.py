@@ -18,18 +18,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from clustertrain.config.load import load_config
     from clustertrain.data.audit import audit_report, expected_samples, problem_lines, read_audit
     from clustertrain.errors import UserError
+    from clustertrain.model.spec import load_checked_config
+    from clustertrain.run_dir import RunDir
 
-    run_dir = Path(args.run_dir)
-    samples = run_dir / "samples.jsonl"
+    run = RunDir(Path(args.run_dir))
+    samples = run.samples
     if not samples.is_file():
         raise UserError(f"{samples} not found: train with data.audit: true to record samples")
     recorded = read_audit(samples)
     expected = None
     if not args.no_replay:
-        config = load_config(run_dir / "config.yaml")
+        config = load_checked_config(run.config)
         expected = expected_samples(config, max(recorded, default=0))
     report = audit_report(recorded, expected)
     if args.json:

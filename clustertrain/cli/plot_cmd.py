@@ -25,8 +25,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_plot(args: argparse.Namespace) -> int:
+    from clustertrain.run_dir import RunDir
     from clustertrain.train.plots import plot_runs
 
-    out = plot_runs(args.run_dirs, args.output or args.run_dirs[0] / "curves.png")
+    out = plot_runs(args.run_dirs, args.output or RunDir(args.run_dirs[0]).curves_plot)
     print(f"wrote {out}")
     return 0

@@ -18,6 +18,8 @@ import math
 import sys
 from pathlib import Path
 
+from clustertrain.run_dir import RunDir
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     slurm = commands.add_parser(
@@ -71,9 +73,9 @@ def _jobs():
 
 
 def _load(args: argparse.Namespace):
-    from clustertrain.config.load import load_config
+    from clustertrain.model.spec import load_checked_config
 
-    return load_config(args.config, args.set)
+    return load_checked_config(args.config, args.set)
 
 
 def run_render(args: argparse.Namespace) -> int:
@@ -103,7 +105,7 @@ def run_submit(args: argparse.Namespace) -> int:
     run_dir = script.parent.parent
     print(f"submitted job {job_id} ({script})")
     print(f"  follow:  clustertrain slurm status {run_dir}")
-    print(f"  log:     tail -f {run_dir / 'slurm' / f'{job_id}.out'}")
+    print(f"  log:     tail -f {RunDir(run_dir).job_log(job_id)}")
     return 0
 
 
@@ -131,7 +133,7 @@ def run_scaling(args: argparse.Namespace) -> int:
     rows = read_scaling(args.run_dir, args.warmup_steps)
     require_measured(rows, args.run_dir, args.warmup_steps)
     print(format_table(rows))
-    out = plot_scaling(rows, args.output or args.run_dir / "scaling.png")
+    out = plot_scaling(rows, args.output or RunDir(args.run_dir).scaling_plot)
     print(f"wrote {out}")
     return 0
 
@@ -148,9 +150,10 @@ def run_status(args: argparse.Namespace) -> int:
 
     jobs = _jobs()
     run_dir = args.run_dir
+    run = RunDir(run_dir)
     chain = jobs.read_chain(run_dir)
-    if not chain and not (run_dir / "status.json").exists():
-        raise LaunchError(f"{run_dir} has no Slurm job chain ({run_dir / jobs.CHAIN}) and no status.json; "
+    if not chain and not run.status.exists():
+        raise LaunchError(f"{run_dir} has no Slurm job chain ({run.job_chain}) and no status.json; "
                           "is it a run directory?")
     # Paths stay whole, for copy and paste; no markup: the files' own text (an error, a job id) is shown as it is.
     console = Console(highlight=False, soft_wrap=True, markup=False)
@@ -176,9 +179,9 @@ def run_status(args: argparse.Namespace) -> int:
         detail = status.get("reason") or status.get("error") or ""
         say("state", f"{status['state']} at step {status.get('step')}/{status.get('total_steps')}"
                      + (f" ({detail})" if detail else "") + f", {_clock(status.get('time'))}")
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    checkpoint = latest_checkpoint(run.checkpoints)
     say("checkpoint", str(checkpoint or "-"))
-    metrics = run_dir / "metrics.jsonl"
+    metrics = run.metrics
     records = [r for r in read_jsonl(metrics) if r.get("loss") is not None] if metrics.exists() else []
     total = status.get("total_steps")
     if records and type(total) is int and total > 0 and records[-1]["step"] > 0:
@@ -191,7 +194,7 @@ def run_status(args: argparse.Namespace) -> int:
         say("progress", line)
     started = [e for e in chain if e["event"] == "started"]
     if started:
-        say("log", f"tail -f {run_dir / 'slurm' / (started[-1]['job_id'] + '.out')}")
+        say("log", f"tail -f {run.job_log(started[-1]['job_id'])}")
     return 0
 
 

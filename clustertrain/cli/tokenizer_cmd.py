@@ -19,11 +19,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_train(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    from clustertrain.config.load import load_config
     from clustertrain.data.tokenize import train_bpe
     from clustertrain.errors import UserError
+    from clustertrain.model.spec import load_checked_config
 
-    config = load_config(args.config, args.set)
+    config = load_checked_config(args.config, args.set)
     out = Path(args.out_dir)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty; choose a new directory")

@@ -32,12 +32,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, early: EarlySignals) -> int:
-    from clustertrain.config.load import load_config
     from clustertrain.errors import ConfigError
+    from clustertrain.model.spec import load_checked_config
 
     overrides = [*args.set, *([f"train.resume={args.resume}"] if args.resume else []),
                  *(["train.overwrite=true"] if args.overwrite else [])]
-    config = load_config(args.config, overrides)  # fail fast, before any rank starts
+    config = load_checked_config(args.config, overrides)  # fail fast, before any rank starts
     if args.nproc is not None:
         if args.nproc < 1:
             raise ConfigError(f"--nproc {args.nproc}: must be at least 1")
@@ -69,13 +69,15 @@ def print_summary(summary) -> None:
     """The end-of-run report: where things are, how the loss moved, what the model writes."""
     from rich.text import Text
 
+    from clustertrain.run_dir import RunDir
     from clustertrain.train.metrics import BestEffortConsole, silence
 
+    run = RunDir(summary.run_dir)
     console = BestEffortConsole(highlight=False)  # a closed stdout does not turn a finished run into exit 1
     rows = [
         ("run directory", str(summary.run_dir)),
         ("checkpoint", str(summary.checkpoint) if summary.checkpoint else "-"),
-        ("metrics", f"{summary.run_dir / 'metrics.jsonl'}  (TensorBoard: {summary.run_dir / 'tensorboard'})"),
+        ("metrics", f"{run.metrics}  (TensorBoard: {run.tensorboard})"),
     ]
     if summary.first_loss is not None:
         loss = f"{summary.first_loss:.3f} at step 1 -> {summary.last_loss:.3f} at step {summary.steps}"

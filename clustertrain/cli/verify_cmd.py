@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from clustertrain.run_dir import RunDir
+
 if TYPE_CHECKING:
     from clustertrain.config.schema import ParallelConfig
 
@@ -62,9 +64,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from clustertrain.config.load import load_config
     from clustertrain.distributed.env import detect_launcher
     from clustertrain.errors import ConfigError, LaunchError, UserError
+    from clustertrain.model.spec import load_checked_config
 
     for flag in ("nproc", "steps", "reference_nproc"):
         value = getattr(args, flag)
@@ -82,9 +84,9 @@ def run_verify(args: argparse.Namespace) -> int:
                            *verify_overrides(args.steps, out / "reference")]
     # Both configs are validated here, so a bad key fails before any rank starts.
     try:
-        layout = load_config(args.config, layout_overrides)
+        layout = load_checked_config(args.config, layout_overrides)
         try:
-            reference = load_config(args.config, reference_overrides)
+            reference = load_checked_config(args.config, reference_overrides)
         except ConfigError as e:
             raise ConfigError(f"reference run: {e}") from None
     except UserError:
@@ -170,7 +172,7 @@ def run_training(config: str | None, nproc: int, overrides: list[str], out: Path
         result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace")
     with log.open("a") as f:
         f.write(result.stderr)
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # a model-sized folder nobody needs
+    shutil.rmtree(RunDir(run_dir).checkpoints, ignore_errors=True)  # a model-sized folder nobody needs
     lines = result.stderr.splitlines()
     errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
     if result.returncode == 2 and errors:  # the message that `main` printed, one line per problem
@@ -200,7 +202,7 @@ def logged_steps(run_dir: Path) -> dict[int, dict]:
     """step -> the metrics record with the training loss and gradient norm of that step."""
     from clustertrain.train.metrics import read_jsonl
 
-    return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("loss") is not None}
+    return {r["step"]: r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("loss") is not None}
 
 
 def relative_difference(value: float, reference: float) -> float:

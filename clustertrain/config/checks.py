@@ -4,15 +4,17 @@
     layout = resolve_layout(config, 40, 8, shape)   # or one ConfigError listing them all
     clustertrain config check configs/frontier-llama3-8b.yaml --nodes 64         # the same, on a login node
 
-The arithmetic a run lays itself out with lives here, once: the parallel degrees (distributed/mesh.py builds
-its mesh from them), the rows of a step on each rank, its micro-batches or pipeline microbatches, and the
-steps of the run. Model facts come in as a ModelShape, read from the HF config alone (no weights).
+The arithmetic a run lays itself out with lives here, once: the parallel degrees and the data-parallel
+wrapper (distributed/mesh.py builds its mesh from the Layout, parallel/apply.py wraps by it), the rows of a
+step on each rank, its micro-batches or pipeline microbatches, and the steps of the run. Model facts come
+in as a ModelShape, read from the HF config alone (no weights).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
 from clustertrain.errors import ConfigError
@@ -49,6 +51,7 @@ class Layout:
     global_batch: int  # sequences per optimizer step
     micro_batch: int  # sequences per forward on one rank (per pipeline microbatch under pp)
     grad_accum: int  # forwards per rank per step: micro-batches, or pipeline microbatches under pp
+    wrapper: Literal["fsdp", "ddp"] | None  # what wraps each model part for data parallelism (wrapper_for)
 
     @property
     def dp(self) -> int:
@@ -100,22 +103,11 @@ def _resolve(config: RunConfig, world: int, local: int, shape: ModelShape | None
     problems += more
     if batch is None or problems:
         return None, problems
-    return Layout(world, pp, replicate, shard, tp, *batch), problems
+    return Layout(world, pp, replicate, shard, tp, *batch,
+                  wrapper=wrapper_for(config.parallel.strategy, pp, replicate * shard, tp)), problems
 
 
 # ---- degrees ---------------------------------------------------------------------------------------------
-def resolve_degrees(parallel: ParallelConfig, world: int, local_world: int) -> tuple[int, int, int, int]:
-    """(pp, dp_replicate, dp_shard, tp) on `world` ranks, `local_world` per node.
-
-    Raises:
-        ConfigError: the degrees do not fit, every problem in one message.
-    """
-    degrees, problems = degree_problems(parallel, world, local_world)
-    if problems or degrees is None:
-        raise ConfigError("\n".join(problems))
-    return degrees
-
-
 def degree_problems(parallel: ParallelConfig, world: int, local_world: int
                     ) -> tuple[tuple[int, int, int, int] | None, list[str]]:
     """(pp, dp_replicate, dp_shard, tp) or None, and the problems. Set degrees are taken as given; unset
@@ -153,6 +145,23 @@ def degree_problems(parallel: ParallelConfig, world: int, local_world: int
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def wrapper_for(strategy: str, pp: int, dp: int, tp: int) -> Literal["fsdp", "ddp"] | None:
+    """fsdp for the zero strategies and any tp-split model, ddp for replicas of a whole model, None for one
+    data-parallel rank.
+
+    Under tp, "ddp" is FSDP2 over (dp_replicate, dp_shard=1), which replicates: it also turns every
+    parameter into a DTensor, which the optimizer needs when some already are. Under pp it is the same,
+    because pipelining drives FSDP2's gradient sync across microbatches itself. With one data-parallel rank
+    and no tp there is nothing to shard or sync, so no wrapper costs its hooks and copies (as torchtitan
+    does on one GPU): autocast applies the compute dtype.
+    """
+    if tp > 1 or (pp > 1 and dp > 1):
+        return "fsdp"
+    if dp == 1:
+        return None
+    return "ddp" if strategy == "ddp" else "fsdp"
 
 
 # ---- the model ---------------------------------------------------------------------------------------------

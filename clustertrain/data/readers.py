@@ -1,9 +1,9 @@
-"""Format readers behind `clustertrain.data.sources.open_source`.
+"""Shards and the readers of files that this module parses itself: jsonl, text, csv and json.
 
-Each reader is one shard: it knows its record count without reading the records and reads any range
-`[start, stop)` of them in order, yielding `(index in the shard, record, location)`. Line-based files
-(jsonl, text blocks) get a sparse index, cached by path, size and mtime; Parquet and Arrow files carry
-their row counts in their own metadata; `datasets` directories are memory-mapped and addressed by row.
+A shard knows its record count without reading the records and reads any range `[start, stop)` of them in
+order, yielding `(index in the shard, record, location)`. Line-based files (jsonl, text lines and paragraphs,
+csv) get a sparse index, cached by path, size and mtime. Parquet, Arrow and `datasets` tables are read by
+`clustertrain.data.columnar`; `clustertrain.data.sources` picks the reader of each format.
 """
 
 from __future__ import annotations
@@ -14,11 +14,8 @@ import io
 import json
 import stat
 import zipfile
-from bisect import bisect_right
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
-from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,7 +25,6 @@ from clustertrain.errors import DataError, first_line
 from clustertrain.files import write_atomic
 
 INDEX_EVERY = 1024  # a line index notes every 1024th record: a seek costs at most 1023 record skips
-BATCH_ROWS = 1024
 BOM = b"\xef\xbb\xbf"
 
 Row = tuple[int, dict, str]  # index in the shard, record, location for messages
@@ -54,45 +50,6 @@ class Shard(Protocol):
     count: int
 
     def read(self, start: int, stop: int) -> Iterator[Row]: ...
-
-
-def open_files(fmt: str, files: list[Path], *, text_unit: str, cache_dir: Path, bad: BadData) -> list[Shard]:
-    """One shard per file (all of `text` in file mode share one), without the empty ones."""
-    if fmt == "text" and text_unit == "file":
-        kept = [(path, -1) for path in files if not _empty_on_disk(path, bad)]
-        return [TextFiles(kept, bad)] if kept else []
-    shards: list[Shard] = []
-    for path in files:
-        if _empty_on_disk(path, bad):
-            continue
-        if fmt in ("jsonl", "text"):
-            unit = text_unit if fmt == "text" else "json"
-            shard: Shard | None = LineRecords(path, unit=unit, cache_dir=cache_dir, bad=bad)
-        elif fmt == "json":
-            shard = JsonFile.open(path, bad)
-        elif fmt == "csv":
-            shard = CsvRecords.open(path, cache_dir=cache_dir, bad=bad)
-        elif fmt == "parquet":
-            shard = ParquetFile.open(path, bad)
-        elif fmt == "arrow":
-            shard = ArrowFile.open(path, bad)
-        else:
-            raise ValueError(f"no file reader for format {fmt!r}")
-        if shard is not None and shard.count == 0:
-            bad.report("empty file", f"{path}: empty file")
-        elif shard is not None:
-            shards.append(shard)
-    return shards
-
-
-def _empty_on_disk(path: Path, bad: BadData) -> bool:
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror}") from None
-    if size == 0:
-        bad.report("empty file", f"{path}: empty file")
-    return size == 0
 
 
 def special_kind(path: Path) -> str | None:
@@ -390,177 +347,3 @@ def _load_json(path: Path, bad: BadData) -> list | None:
         bad.report("not a list of records", f"{path}: expected a list of records, or an object holding one")
         return None
     return value
-
-
-def _arrow():
-    try:
-        import pyarrow
-        import pyarrow.ipc
-        import pyarrow.parquet
-    except ImportError:
-        raise DataError("reading Parquet and Arrow files needs pyarrow: pip install pyarrow") from None
-    return pyarrow
-
-
-def _unreadable(path: Path, kind: str, error: Exception, bad: BadData) -> None:
-    bad.report("unreadable file", f"{path}: not a readable {kind} file ({first_line(error)})")
-
-
-class ParquetFile:
-    """A Parquet file: the row count and row-group sizes come from its footer; reads go group by group."""
-
-    def __init__(self, path: Path, group_rows: list[int]) -> None:
-        self.path = path
-        self.group_starts = list(accumulate(group_rows, initial=0))
-        self.count = self.group_starts[-1]
-
-    @classmethod
-    def open(cls, path: Path, bad: BadData) -> ParquetFile | None:
-        pa = _arrow()
-        try:
-            with pa.parquet.ParquetFile(path, memory_map=True) as f:
-                meta = f.metadata
-                return cls(path, [meta.row_group(i).num_rows for i in range(meta.num_row_groups)])
-        except (pa.ArrowException, OSError) as e:
-            _unreadable(path, "Parquet", e, bad)
-            return None
-
-    def read(self, start: int, stop: int) -> Iterator[Row]:
-        pa = _arrow()
-        first = bisect_right(self.group_starts, start) - 1
-        groups = [g for g in range(first, len(self.group_starts) - 1) if self.group_starts[g] < stop]
-        index = self.group_starts[first]
-        with pa.parquet.ParquetFile(self.path, memory_map=True) as f:
-            for batch in f.iter_batches(batch_size=BATCH_ROWS, row_groups=groups):
-                yield from _batch_rows(batch, index, start, stop, f"{self.path} row")
-                index += batch.num_rows
-                if index >= stop:
-                    return
-
-
-def _batch_rows(batch, index: int, start: int, stop: int, where: str) -> Iterator[Row]:
-    """The rows of an Arrow batch that begins at row `index` and fall in [start, stop)."""
-    lo, hi = max(start - index, 0), min(stop - index, batch.num_rows)
-    if lo < hi:
-        for row, record in enumerate(batch.slice(lo, hi - lo).to_pylist(), index + lo):
-            yield row, record, f"{where} {row}"
-
-
-class ArrowFile:
-    """An Arrow IPC file, in the stream format `datasets` writes or the file format; memory-mapped."""
-
-    def __init__(self, path: Path, count: int) -> None:
-        self.path, self.count = path, count
-
-    @classmethod
-    def open(cls, path: Path, bad: BadData) -> ArrowFile | None:
-        pa = _arrow()
-        try:
-            with _ipc_table(pa, path) as table:
-                return cls(path, table.num_rows)
-        except (pa.ArrowException, OSError) as e:
-            _unreadable(path, "Arrow", e, bad)
-            return None
-
-    def read(self, start: int, stop: int) -> Iterator[Row]:
-        with _ipc_table(_arrow(), self.path) as table:
-            index = start
-            for batch in table.slice(start, stop - start).to_batches(max_chunksize=BATCH_ROWS):
-                yield from _batch_rows(batch, index, start, stop, f"{self.path} row")
-                index += batch.num_rows
-
-
-@contextmanager
-def _ipc_table(pa, path: Path):
-    # Reading all batches of a memory map only parses their headers; the table's buffers stay on disk.
-    with pa.memory_map(str(path)) as source:
-        is_file_format = source.read(6) == b"ARROW1"
-        source.seek(0)
-        reader = pa.ipc.open_file(source) if is_file_format else pa.ipc.open_stream(source)
-        yield reader.read_all()
-
-
-# Hugging Face `datasets`: save_to_disk directories and the local HF cache.
-
-
-def _datasets():
-    try:
-        import datasets
-    except ImportError:
-        raise DataError("hf and hf_disk sources need the datasets package: pip install datasets") from None
-    return datasets
-
-
-class DatasetRows:
-    """A memory-mapped `datasets.Dataset`, read by row slices."""
-
-    def __init__(self, dataset, where: str) -> None:
-        self.dataset, self.where = dataset.with_format("arrow"), where
-        self.count = len(dataset)
-
-    def read(self, start: int, stop: int) -> Iterator[Row]:
-        for lo in range(start, min(stop, self.count), BATCH_ROWS):
-            table = self.dataset[lo:min(lo + BATCH_ROWS, stop, self.count)]
-            for row, record in enumerate(table.to_pylist(), lo):
-                yield row, record, f"{self.where} {row}"
-
-
-def open_hf_disk(path: Path, split: str) -> DatasetRows:
-    """A directory written by `Dataset.save_to_disk`, or one split of a saved `DatasetDict`."""
-    datasets = _datasets()
-    try:
-        dataset = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"{path}: not a directory written by datasets' save_to_disk ({first_line(e)})") from None
-    if isinstance(dataset, datasets.DatasetDict):
-        if split not in dataset:
-            raise DataError(f"{path}: no split '{split}' (splits: {', '.join(dataset)})")
-        dataset = dataset[split]
-    return DatasetRows(dataset, f"{path} row")
-
-
-@contextmanager
-def _offline():
-    # datasets and huggingface_hub read HF_HUB_OFFLINE once at import, so the switch is their module constant.
-    import datasets.config
-    import huggingface_hub.constants as hub
-
-    saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = hub.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE = saved
-
-
-def open_hf(name: str, config: str | None, split: str) -> DatasetRows:
-    """A dataset from the local HF caches only, never the network.
-
-    Either `datasets` prepared it before (load_dataset on a machine with network), or its hub snapshot
-    was downloaded (`hf download --repo-type dataset NAME`), which is converted once into the datasets cache.
-    """
-    datasets = _datasets()
-    from huggingface_hub import constants, snapshot_download
-
-    where = f"{name}[{split}] row"
-    with _offline():
-        try:
-            return DatasetRows(datasets.load_dataset(name, config, split=split), where)
-        except Exception as e:  # noqa: BLE001 - datasets raises many kinds; the snapshot is the second chance
-            first = e
-        try:
-            snapshot = snapshot_download(name, repo_type="dataset", local_files_only=True)
-        except Exception:  # noqa: BLE001 - any failure here means: not downloaded
-            if isinstance(first, (ConnectionError, FileNotFoundError)):
-                caches = f"{datasets.config.HF_DATASETS_CACHE}, {constants.HF_HUB_CACHE}"
-                raise DataError(
-                    f"hf dataset '{name}' is not in the local Hugging Face caches ({caches}); fetch it on a machine "
-                    f"with network and the same HF_HOME: hf download --repo-type dataset {name}"
-                ) from None
-            raise DataError(f"hf dataset '{name}': {first_line(first)}") from None
-        try:
-            return DatasetRows(datasets.load_dataset(snapshot, config, split=split), where)
-        except Exception as e:  # noqa: BLE001
-            raise DataError(f"hf dataset '{name}' (snapshot {snapshot}): {first_line(e)}") from None
-
-

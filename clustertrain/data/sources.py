@@ -24,27 +24,39 @@ import os
 import sysconfig
 from bisect import bisect_right
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
-from clustertrain.config.schema import SourceConfig
-from clustertrain.data import readers
+from clustertrain.config.schema import FILE_FORMATS, SourceConfig
+from clustertrain.data import columnar, readers
 from clustertrain.data.readers import BadData, Row, Shard, check_text, json_type, special_kind
 from clustertrain.errors import DataError
 
-EXTENSIONS = {
-    ".txt": "text",
-    ".jsonl": "jsonl",
-    ".ndjson": "jsonl",
-    ".json": "json",
-    ".csv": "csv",
-    ".parquet": "parquet",
-    ".arrow": "arrow",
-    ".npy": "tokens",
-    ".bin": "tokens",
+
+@dataclass(frozen=True)
+class FileFormat:
+    """The extensions that tell a file format, and `open(path, text_unit, cache_dir, bad)`: a file's shard, or
+    None after reporting why it holds none (None for token ids, which are not documents)."""
+
+    extensions: tuple[str, ...]
+    open: Callable[[Path, str, Path, BadData], Shard | None] | None
+
+
+FILE_READERS = {
+    "text": FileFormat((".txt",), lambda path, unit, cache, bad: readers.LineRecords(
+        path, unit=unit, cache_dir=cache, bad=bad)),
+    "jsonl": FileFormat((".jsonl", ".ndjson"), lambda path, _, cache, bad: readers.LineRecords(
+        path, unit="json", cache_dir=cache, bad=bad)),
+    "json": FileFormat((".json",), lambda path, _, __, bad: readers.JsonFile.open(path, bad)),
+    "csv": FileFormat((".csv",), lambda path, _, cache, bad: readers.CsvRecords.open(path, cache_dir=cache, bad=bad)),
+    "parquet": FileFormat((".parquet",), lambda path, _, __, bad: columnar.ParquetFile.open(path, bad)),
+    "arrow": FileFormat((".arrow",), lambda path, _, __, bad: columnar.ArrowFile.open(path, bad)),
+    "tokens": FileFormat((".npy", ".bin"), None),  # read by clustertrain.data.tokens
 }
+assert tuple(FILE_READERS) == FILE_FORMATS, "FILE_READERS must cover exactly the schema's FILE_FORMATS"
+EXTENSIONS = {extension: fmt for fmt, file_format in FILE_READERS.items() for extension in file_format.extensions}
 
 
 @dataclass(frozen=True)
@@ -142,18 +154,46 @@ def open_source(source: SourceConfig, *, on_bad_data: str = "error", cache_dir: 
         if source.hf_name is None:
             raise DataError(f"data source {source.path!r}: format hf reads hf_name, not a path (see hf_disk)")
         fmt = "hf"
-        shards = [readers.open_hf(source.hf_name, source.hf_config, source.split)]
+        shards = [columnar.open_hf(source.hf_name, source.hf_config, source.split)]
     else:
         fmt, files = resolve_files(source.path or "", source.format)
         if fmt == "tokens":
             raise ValueError(f"data source {source.path!r}: token files are not documents; they are read elsewhere")
         if fmt == "hf_disk":
-            shards = [readers.open_hf_disk(files[0], source.split)]
+            shards = [columnar.open_hf_disk(files[0], source.split)]
         else:
-            shards = readers.open_files(
-                fmt, files, text_unit=source.text_unit, cache_dir=Path(cache_dir).expanduser(), bad=bad
-            )
+            shards = open_files(fmt, files, text_unit=source.text_unit, cache_dir=Path(cache_dir).expanduser(), bad=bad)
     return Source(source.label, fmt, shards, bad)
+
+
+def open_files(fmt: str, files: list[Path], *, text_unit: str, cache_dir: Path, bad: BadData) -> list[Shard]:
+    """One shard per file (all of `text` in file mode share one), without the empty ones."""
+    if fmt == "text" and text_unit == "file":
+        kept = [(path, -1) for path in files if not _empty_on_disk(path, bad)]
+        return [readers.TextFiles(kept, bad)] if kept else []
+    file_format = FILE_READERS.get(fmt)
+    if file_format is None or file_format.open is None:
+        raise ValueError(f"no file reader for format {fmt!r}")
+    shards: list[Shard] = []
+    for path in files:
+        if _empty_on_disk(path, bad):
+            continue
+        shard = file_format.open(path, text_unit, cache_dir, bad)
+        if shard is not None and shard.count == 0:
+            bad.report("empty file", f"{path}: empty file")
+        elif shard is not None:
+            shards.append(shard)
+    return shards
+
+
+def _empty_on_disk(path: Path, bad: BadData) -> bool:
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    if size == 0:
+        bad.report("empty file", f"{path}: empty file")
+    return size == 0
 
 
 def text_of(doc: Document, field: str) -> str:

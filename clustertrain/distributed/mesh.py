@@ -1,7 +1,8 @@
-"""Parallel degrees -> named DeviceMesh. The only place that computes which rank is in which group.
+"""The checked layout -> named DeviceMesh. The only place that computes which rank is in which group.
 
 The world is laid out as (pp, dp_replicate, dp_shard, tp), tp innermost, so tensor-parallel peers are
-neighbouring ranks (the same node, when tp fits in one).
+neighbouring ranks (the same node, when tp fits in one). The degrees come from the one Layout that
+clustertrain.config.checks resolved before the process group started; nothing here works them out again.
 """
 
 from __future__ import annotations
@@ -11,27 +12,38 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from clustertrain.config.checks import resolve_degrees
-from clustertrain.config.schema import ParallelConfig
-from clustertrain.distributed.env import RankInfo
+from clustertrain.config.checks import Layout
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass
 class Mesh:
-    """The degrees of this run and this rank's place in them."""
+    """The layout of this run (its degrees, its data-parallel wrapper) and this rank's place in it."""
 
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
+    layout: Layout
     device_mesh: DeviceMesh  # DIMS
     dp_mesh: DeviceMesh  # the data-parallel ranks as one dimension
 
     @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
     def dp_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.layout.dp
 
     @property
     def dp_rank(self) -> int:
@@ -71,23 +83,17 @@ class Mesh:
         return self.device_mesh["tp"]
 
 
-def degrees(parallel: ParallelConfig, info: RankInfo) -> tuple[int, int, int, int]:
-    """(pp, dp_replicate, dp_shard, tp) of this run: clustertrain.config.checks works them out (and the trainer
-    has checked them, with the rest of the config, before the process group started)."""
-    return resolve_degrees(parallel, info.world_size, info.local_world_size)
-
-
-def build_mesh(parallel: ParallelConfig, info: RankInfo, device_type: str) -> Mesh:
-    """Build the named mesh of this run (collective: every rank calls it).
+def build_mesh(layout: Layout, device_type: str) -> Mesh:
+    """Build the named mesh of `layout` (collective: every rank calls it, `layout.world_size` of them).
 
     Each group of ranks gets one process group (on GPUs, one NCCL communicator, with its memory): the
     data-parallel group is the dp_shard or dp_replicate group when the other is 1, and a group of its own
     only when both are used.
     """
-    pp, replicate, shard, tp = degrees(parallel, info)
-    device_mesh = init_device_mesh(device_type, (pp, replicate, shard, tp), mesh_dim_names=DIMS)
+    replicate, shard = layout.dp_replicate, layout.dp_shard
+    device_mesh = init_device_mesh(device_type, (layout.pp, replicate, shard, layout.tp), mesh_dim_names=DIMS)
     if replicate > 1 and shard > 1:
         dp_mesh = device_mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan's way; no public API yet
     else:
         dp_mesh = device_mesh["dp_replicate" if replicate > 1 else "dp_shard"]
-    return Mesh(pp, replicate, shard, tp, device_mesh, dp_mesh)
+    return Mesh(layout, device_mesh, dp_mesh)

@@ -25,17 +25,17 @@ from clustertrain.data.readers import BadData, parse_object
 from clustertrain.errors import DataError, LaunchError
 from clustertrain.launch.slurm import render_script
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import json_value
 from clustertrain.train.status import read_status
 
-CHAIN = Path("slurm") / "jobs.jsonl"
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 
 
 def record(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
     """Append one event to the run's job chain."""
     entry = {"event": event, "time": time.time(), **fields}
-    path = run_dir / CHAIN
+    path = RunDir(run_dir).job_chain
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
@@ -57,7 +57,7 @@ def read_chain(run_dir: Path) -> list[dict[str, Any]]:
         DataError: One line naming the file and line that is not UTF-8, not a JSON object, lacks "event" or
             "job_id", or has a field of another type than clustertrain writes.
     """
-    path = run_dir / CHAIN
+    path = RunDir(run_dir).job_chain
     if not path.exists():
         return []
     try:
@@ -101,12 +101,9 @@ def submit(config: RunConfig, workdir: Path, source: str) -> tuple[str, Path]:
         raise LaunchError(f"{run_dir} already has job {active[-1]} queued or running; scancel it or wait for it")
     config = config.model_copy(deep=True)
     config.train.resume = "auto"  # every restart continues from the newest checkpoint
-    folder = run_dir / "slurm"
-    folder.mkdir(parents=True, exist_ok=True)
-    snapshot = folder / "config.yaml"
-    snapshot.write_text(dump_config(config))
-    script = folder / "job.sh"
-    script.write_text(render_script(config, [str(snapshot)], workdir, source))
+    run = RunDir(run_dir)
+    snapshot = run.write(run.slurm_config, dump_config(config))
+    script = run.write(run.job_script, render_script(config, [str(snapshot)], workdir, source))
     mode = script.stat().st_mode
     script.chmod(mode | (mode & 0o444) >> 2)  # executable by whoever may read it, as the umask says
     result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=workdir)

@@ -11,7 +11,6 @@ count does the same work per step and tokens/s compare. Scaling efficiency at N 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +21,8 @@ from clustertrain.config.schema import RunConfig
 from clustertrain.errors import ConfigError, DataError, LaunchError
 from clustertrain.launch import jobs
 from clustertrain.launch.slurm import job_spec
+from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import read_jsonl
-
-SUBRUN = "scaling-N{nodes}"
-_SUBRUN = re.compile(r"scaling-N(\d+)")
 
 
 def parse_counts(text: str) -> list[int]:
@@ -61,7 +58,7 @@ def scaling_configs(config: RunConfig, counts: list[int], steps: int | None, wor
         each = base.model_copy(deep=True)
         each.slurm.nodes = nodes
         each.name = f"{base.name}-N{nodes}"
-        each.train.run_dir = str(run_dir / SUBRUN.format(nodes=nodes))
+        each.train.run_dir = str(RunDir(run_dir).scaling_run(nodes))
         problems += [f"{nodes} node(s): {p}" for p in check_world(each, nodes * tasks, tasks)]
         configs[nodes] = each
     if problems:
@@ -97,11 +94,11 @@ def read_scaling(run_dir: Path, warmup_steps: int = 5) -> list[ScalingRow]:
     Tokens/s is the tokens of the measured log intervals over their time (each interval's tokens over its rate),
     so that intervals of different lengths weigh by their time.
     """
-    counts = sorted(int(m[1]) for p in run_dir.glob("scaling-N*") if (m := _SUBRUN.fullmatch(p.name)))
+    counts = RunDir(run_dir).scaling_runs()
     if not counts:
         raise LaunchError(f"{run_dir} has no scaling-N<nodes> runs; submit them with "
                           "`clustertrain slurm submit CONFIG --scaling 1,2,4`")
-    measured = {nodes: _throughput(run_dir / SUBRUN.format(nodes=nodes), warmup_steps) for nodes in counts}
+    measured = {nodes: _throughput(RunDir(run_dir).scaling_run(nodes), warmup_steps) for nodes in counts}
     base = next(((n, tps) for n, (_, _, tps) in measured.items() if tps), None)
     rows = []
     for nodes, (ranks, steps, tps) in measured.items():
@@ -112,7 +109,7 @@ def read_scaling(run_dir: Path, warmup_steps: int = 5) -> list[ScalingRow]:
 
 def _throughput(sub_run: Path, warmup_steps: int) -> tuple[int | None, int, float | None]:
     """(ranks, steps measured, tokens/s) of one run; (ranks, 0, None) before it has logged past the warm-up."""
-    path = sub_run / "metrics.jsonl"
+    path = RunDir(sub_run).metrics
     records = [r for r in read_jsonl(path) if r.get("tokens_per_s")] if path.is_file() else []
     ranks = _ranks(sub_run, records)
     tokens = seconds = 0.0
@@ -134,7 +131,7 @@ def _ranks(sub_run: Path, records: list[dict]) -> int | None:
     for record in records:
         if record.get("tokens_per_s_per_rank"):
             return round(record["tokens_per_s"] / record["tokens_per_s_per_rank"])
-    snapshot = sub_run / "slurm" / "config.yaml"
+    snapshot = RunDir(sub_run).slurm_config
     try:
         slurm = yaml.safe_load(snapshot.read_text())["slurm"]
         return slurm["nodes"] * (slurm.get("tasks_per_node") or 1)

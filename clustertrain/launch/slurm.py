@@ -1,5 +1,8 @@
 """Render a readable sbatch script from the run config's `slurm` section and its cluster preset.
 
+The script is `templates/sbatch.sh` with its `@{name}` placeholders filled, the launcher's lines from
+`templates/srun.sh` or `templates/torchrun.sh`.
+
 Every value from a config or preset is shell-quoted: in `#SBATCH` lines (sbatch parses them with shell
 quoting rules) and in the body. In environment values, `${NAME}` expands and nothing else does.
 """
@@ -10,11 +13,15 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
+from string import Template
 
-from clustertrain.config.schema import JOB_NAME_MAX, RunConfig, SlurmConfig, control_character
+from clustertrain.config.schema import RunConfig
+from clustertrain.config.slurm_schema import JOB_NAME_MAX, SlurmConfig, control_character
 from clustertrain.errors import ConfigError
 from clustertrain.launch.presets import Preset, load_preset
+from clustertrain.run_dir import RunDir
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 # Every GPU job, before the preset's and the config's own: the caching allocator grows segments instead of
@@ -106,7 +113,6 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
     spec = job_spec(slurm, preset)
     run_dir = (workdir / config.run_dir).resolve()
     python = slurm.python or sys.executable
-    q = shlex.quote
     if slurm.job_name is None and len(config.name) > JOB_NAME_MAX:  # the run name is the job's
         raise ConfigError(f"name: {len(config.name):,} characters is too long for a Slurm job name (at most "
                           f"{JOB_NAME_MAX}); set slurm.job_name, or a shorter name")
@@ -114,89 +120,55 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
                      "the config path": source, "slurm.python": python})
     for argument in train_args:
         _check_one_line({"an argument of clustertrain train": argument})
-
-    lines = [
-        "#!/bin/bash",
-        f"# clustertrain job for run {config.name!r}, from {source}; preset {slurm.preset}: {preset.description}.",
-        "# Submit with `clustertrain slurm submit CONFIG` (it records the job chain in the run directory),",
-        "# or with `sbatch` on this file. Follow it with `clustertrain slurm status RUN_DIR`.",
-    ]
-    lines += [f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)]
+    cpu_count = ""  # CPU-only nodes count their cores at run time, in a block after a blank line
     if spec.cpus_per_task is None:
-        lines += [
-            "",
-            f"# CPU-only nodes: the {spec.tasks_per_node} rank(s) of a node share its cores, each taking cores / "
-            f"{spec.tasks_per_node} as its CPUs",
-            "# and OMP_NUM_THREADS (--exclusive gives the job every core of its nodes; Slurm counts them here).",
-            f"cpus_per_task=$(( ${{SLURM_CPUS_ON_NODE:-1}} / {spec.tasks_per_node} ))",
-            '[ "$cpus_per_task" -ge 1 ] || cpus_per_task=1',
-        ]
-    lines += [
-        "",
-        "# Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from",
-        "# here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.",
-        "signalled=0",
-        "trap 'signalled=1' USR1 TERM",
-        "",
-    ]
+        cpu_count = "\n" + _fill("cpu-count.sh", tasks_per_node=spec.tasks_per_node)
+    return _fill(
+        "sbatch.sh", name=repr(config.name), source=source, preset=slurm.preset, description=preset.description,
+        sbatch="\n".join(f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)),
+        cpu_count=cpu_count, environment=_environment(spec), python=shlex.quote(python),
+        run_dir=shlex.quote(str(run_dir)), on_stop=slurm.requeue, max_restarts=slurm.max_restarts,
+        launch=_launch(slurm, spec, train_args),
+    )
+
+
+class _Script(Template):
+    """A job script template: `@{name}` placeholders, so that the shell's own `$` stays as written."""
+
+    delimiter = "@"
+
+
+def _fill(template: str, **values: object) -> str:
+    """`templates/TEMPLATE` with its placeholders filled."""
+    return _Script(resources.files(__package__).joinpath("templates", template).read_text()).substitute(values)
+
+
+def _environment(spec: JobSpec) -> str:
+    """Module loads, exports and setup lines: the preset's, then the config's."""
     if spec.modules:
-        lines += ["# Modules and environment: the preset's, then slurm.modules and slurm.env. Nodes run offline.",
-                  "module load " + " ".join(map(q, spec.modules))]
+        lines = ["# Modules and environment: the preset's, then slurm.modules and slurm.env. Nodes run offline.",
+                 "module load " + " ".join(map(shlex.quote, spec.modules))]
     else:
-        lines.append("# Environment: the preset's, then slurm.env. Compute nodes run offline.")
+        lines = ["# Environment: the preset's, then slurm.env. Compute nodes run offline."]
     lines += [f"export {name}={shell_value(value)}" for name, value in spec.env.items()]
-    lines += spec.setup
-    lines += [
-        "",
-        f"python={q(python)}",
-        f"run_dir={q(str(run_dir))}",
-        "end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (an error): stop here",
-        f'    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" '
-        f"--on-stop {slurm.requeue} --max-restarts {slurm.max_restarts}",
-        "}",
-        f'"$python" -m clustertrain slurm job-start "$run_dir" --max-restarts {slurm.max_restarts} || exit 1',
-        'if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train',
-        "",
-    ]
+    return "\n".join(lines + spec.setup)
+
+
+def _launch(slurm: SlurmConfig, spec: JobSpec, train_args: list[str]) -> str:
+    """The srun line that starts the ranks in the background, from `templates/LAUNCHER.sh`."""
+    q = shlex.quote
     train = " ".join(map(q, ["-m", "clustertrain", "train", *train_args]))
     # srun takes --cpus-per-task itself: since Slurm 22.05 it no longer inherits sbatch's
-    per_rank = spec.cpus_per_task or '"$cpus_per_task"'
     if slurm.launcher == "srun":
+        per_rank = spec.cpus_per_task or '"$cpus_per_task"'
         srun = [*map(q, ["srun", f"--ntasks-per-node={spec.tasks_per_node}"]), f"--cpus-per-task={per_rank}",
                 *map(q, [*spec.srun, "--kill-on-bad-exit=1"])]
-        lines += [
-            "# One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.",
-            " ".join(srun) + ' \\',
-            f'    "$python" {train} &',
-        ]
     else:
         per_node = (spec.cpus_per_task * spec.tasks_per_node if spec.cpus_per_task
                     else f'"$(( cpus_per_task * {spec.tasks_per_node} ))"')
         srun = ["srun", "--ntasks-per-node=1", f"--cpus-per-task={per_node}", "--kill-on-bad-exit=1"]
-        lines += [
-            "# One task per node running torchrun; torchrun passes USR1 on to its ranks and waits for their save.",
-            'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-            "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-            f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={slurm.signal_before}",
-            " ".join(srun) + ' \\',
-            f'    "$python" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" '
-            f"--nproc-per-node={spec.tasks_per_node} \\",
-            '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" '
-            "--max-restarts=0 \\",
-            f"    {train} &",
-        ]
-    lines += [
-        "step=$!",
-        """trap 'signalled=1; kill -USR1 "$step" 2>/dev/null' USR1""",
-        "while :; do  # a trapped signal interrupts wait: wait again for the ranks to save and exit",
-        '    wait "$step"; rc=$?',
-        '    if [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi',
-        "    break",
-        "done",
-        'end_job "$rc"',
-    ]
-    return "\n".join(lines) + "\n"
+    return _fill(f"{slurm.launcher}.sh", srun=" ".join(srun), train=train, tasks_per_node=spec.tasks_per_node,
+                 signal_before=slurm.signal_before).removesuffix("\n")
 
 
 def _check_one_line(values: dict[str, str]) -> None:
@@ -226,7 +198,7 @@ def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Pa
         "cpus-per-task": spec.cpus_per_task * spec.tasks_per_node // per_node if spec.cpus_per_task else None,
         "exclusive": spec.cpus_per_task is None,  # whole nodes, whose cores the script counts
         "time": slurm.time,
-        "output": slurm.output or str(run_dir / "slurm" / "%j.out"),
+        "output": slurm.output or str(RunDir(run_dir).job_log("%j")),
         "open-mode": "append",  # a requeued job keeps its id and its log: append, do not overwrite
         "chdir": str(workdir.resolve()),
         "signal": f"B:USR1@{slurm.signal_before}",

@@ -2,7 +2,7 @@
 
     attn = resolve_attention(model.attn_implementation, hf_config, device.type, dtype=torch.bfloat16,
                              packed_documents=data.packed_documents, pipeline=parallel.pp > 1)
-    meta = build_meta_model(hf_config, lora, base_dtype, attn)   # clustertrain.model.load
+    meta = build_meta_model(hf_config, lora, base_dtype, attn)   # clustertrain.model.build
 
 `auto` is sdpa, except on a GPU when attention must stay inside the documents packed into a row (position
 ids that restart inside the row: `data.doc_masking`, or SFT). sdpa then gets a dense mask, which rules out

@@ -175,6 +175,20 @@ def training_memory_floor(model: nn.Module, *, rows: int, seq_len: int, logits_t
     }
 
 
+def check_training_memory(model: nn.Module, device: torch.device, *, rows: int, seq_len: int, full_logits: bool,
+                          chunk_tokens: int, activation_bytes: int, ranks: int, stages: int, tp: int) -> None:
+    """Refuse sizes that cannot fit (a huge batch, sequence or vocabulary) before any of them is allocated:
+    :func:`check_memory_floor` of the :func:`training_memory_floor` of micro-batches of `rows` x `seq_len`, with
+    the logits of the whole micro-batch (`full_logits`) or of one loss chunk of `chunk_tokens`."""
+    tokens = rows * seq_len
+    floor = training_memory_floor(model, rows=rows, seq_len=seq_len, ranks=ranks, stages=stages, tp=tp,
+                                  logits_tokens=tokens if full_logits else min(tokens, chunk_tokens),
+                                  activation_bytes=activation_bytes)
+    check_memory_floor(floor, device, "lower train.micro_batch_size or data.seq_len"
+                       + (", or use train.loss=chunked" if full_logits else "")
+                       + ", or use a smaller model or more ranks")
+
+
 def device_memory(device: torch.device) -> int | None:
     """Bytes of memory of a GPU, or of this host for a CPU; None where unknown."""
     if device.type == "cuda":

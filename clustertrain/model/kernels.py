@@ -6,7 +6,7 @@ can run, and every other case falls back to PyTorch with one line saying why:
 
     kernels = apply_kernels(meta_model, model.kernels, device, parallel.tp)
     if kernels.note: logger.info(kernels.note)   # e.g. "model.kernels: liger: liger needs CUDA; using PyTorch kernels"
-    apply_loss_head(meta_model, ..., fused=kernels.linear_cross_entropy)   # clustertrain.train.loss
+    apply_loss_head(meta_model, ..., fused=kernels.linear_cross_entropy)   # clustertrain.model.loss
 
 The norm, rotary and MLP kernels are patched into the meta model's modules (liger's instance patching), so
 they travel with it into pipeline stages, under LoRA (peft's adapters sit on the projections the MLP calls)

@@ -1,5 +1,6 @@
 """The one entry to parallelism: on the meta model, PP stage -> TP -> activation checkpointing -> compile ->
-FSDP, then materialize; DDP last; the result is the runner of this rank's model parts (parallel/runner.py)."""
+FSDP, then materialize; DDP last; the result is the runner of this rank's model parts (parallel/runner.py).
+Whether FSDP or DDP wraps the parts is the checked layout's choice (`mesh.layout.wrapper`), made once."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.mesh import Mesh
 from clustertrain.parallel.ac import apply_activation_checkpointing
 from clustertrain.parallel.compile import apply_compile
-from clustertrain.parallel.pp import Pipeline, stage_indices, tie_weights_across_stages
-from clustertrain.parallel.runner import LocalRunner, TokenLoss
+from clustertrain.parallel.pp import PipelineRunner, stage_indices, tie_weights_across_stages
+from clustertrain.parallel.runner import LocalRunner, Runner, TokenLoss
 from clustertrain.parallel.stages import build_stage
 from clustertrain.parallel.tp import apply_tp
 
@@ -40,7 +41,7 @@ def parallelize(
     materialize: Callable[[nn.Module], None],
     loss: TokenLoss,
     microbatches: int,
-) -> LocalRunner | Pipeline:
+) -> Runner:
     """Apply the layout to a meta-device `model`, materialize its weights, and return the runner of its parts.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
@@ -54,7 +55,7 @@ def parallelize(
         stages = [_parallelize(build_stage(model, s, num_stages), parallel, mesh, device, blocks, materialize)
                   for s in indices]
         tie_weights_across_stages(stages, mesh)
-        return Pipeline(stages, parallel, mesh, device, microbatches, loss, dtype)
+        return PipelineRunner(stages, parallel, mesh, device, microbatches, loss, dtype)
     return LocalRunner(_parallelize(model, parallel, mesh, device, blocks, materialize), loss, microbatches, device,
                        dtype)
 
@@ -65,30 +66,13 @@ def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Modul
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
     if parallel.compile:
         apply_compile(model, blocks)
-    wrapper = data_parallel_wrapper(parallel, mesh)
+    wrapper = mesh.layout.wrapper
     if wrapper == "fsdp":
         apply_fsdp(model, parallel, mesh, blocks)
     materialize(model)
     if wrapper == "ddp":
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
-
-
-def data_parallel_wrapper(parallel: ParallelConfig, mesh: Mesh) -> str | None:
-    """fsdp for the zero strategies and any tp-split model, ddp for replicas of a whole model, None for one
-    data-parallel rank.
-
-    Under tp, "ddp" is FSDP2 over (dp_replicate, dp_shard=1), which replicates: it also turns every
-    parameter into a DTensor, which the optimizer needs when some already are. Under pp it is the same,
-    because pipelining drives FSDP2's gradient sync across microbatches itself. With one data-parallel rank
-    and no tp there is nothing to shard or sync, so no wrapper costs its hooks and copies (as torchtitan
-    does on one GPU): autocast applies the compute dtype.
-    """
-    if mesh.tp > 1 or (parallel.pp > 1 and mesh.dp_size > 1):
-        return "fsdp"
-    if mesh.dp_size == 1:
-        return None
-    return "ddp" if parallel.strategy == "ddp" else "fsdp"
 
 
 def apply_fsdp(model: nn.Module, parallel: ParallelConfig, mesh: Mesh, blocks: tuple[type[nn.Module], ...]) -> None:
@@ -105,7 +89,7 @@ def apply_fsdp(model: nn.Module, parallel: ParallelConfig, mesh: Mesh, blocks: t
 
 def autocast_dtype(parallel: ParallelConfig, mesh: Mesh) -> torch.dtype | None:
     """The autocast dtype when no FSDP mixed-precision policy casts (DDP or no wrapper), else None."""
-    if data_parallel_wrapper(parallel, mesh) != "fsdp" and parallel.param_dtype != "float32":
+    if mesh.layout.wrapper != "fsdp" and parallel.param_dtype != "float32":
         return DTYPES[parallel.param_dtype]
     return None
 

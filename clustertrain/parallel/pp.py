@@ -11,10 +11,10 @@ stage 0 is on pp rank 0 and the last stage on pp rank pp - 1.
 
 Every stage of a pipeline reads the same rows (ranks that differ only in pp share data); stage 0 feeds
 the input ids, the last stage the labels, both as the schedule's target and as its head's input, so that
-the head can compute the loss without full logits (clustertrain.train.loss); the schedule's loss function
+the head can compute the loss without full logits (clustertrain.model.loss); the schedule's loss function
 turns that stage's output, the loss or logits, into the scaled loss. Only the last stage has one.
 
-`Pipeline` is the runner of these layouts (the interface of clustertrain.parallel.runner).
+`PipelineRunner` is the runner of these layouts (a clustertrain.parallel.runner.Runner).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def tie_weights_across_stages(stages: list[nn.Module], mesh: Mesh) -> None:
                 dist.recv(_local(stage.get_parameter(head)), group=mesh.pp_group, group_src=0)
 
 
-class Pipeline:
-    """This rank's stages with their schedule: the runner of pipeline layouts (see clustertrain.parallel.runner).
+class PipelineRunner:
+    """This rank's stages with their schedule: the Runner of pipeline layouts (clustertrain.parallel.runner).
 
     Attributes:
         parts: this rank's stage modules (FSDP-wrapped when data-parallel), full-model parameter names,

@@ -1,20 +1,21 @@
-"""How a step's batch runs through this rank's model parts: one runner per kind of layout, one interface.
+"""How a step's batch runs through this rank's model parts: one runner per kind of layout, one interface
+(`Runner`).
 
-    runner = parallelize(meta, parallel, mesh, device, blocks, materialize, loss, microbatches)
+    runner = parallelize(meta, parallel, mesh, device, blocks, materialize, loss, microbatches)  # a Runner
     loss_sum = runner.forward_backward(batch, scale)  # backward of (summed token loss x scale), every microbatch
     runner.sync_grads()                               # before clipping
     runner.eval_loss_sum(batch)                       # forward only
 
 `runner.parts` are what the optimizer and checkpoints see (full-model parameter names): the model itself for
 a `LocalRunner` (one process's whole model, plain, DDP, FSDP or tensor-parallel), this rank's stages for the
-pipeline's runner (`clustertrain.parallel.pp.Pipeline`). The loss is handed in (`TokenLoss`), so this layer
-never imports the training layer; each runner applies the autocast its layout needs.
+pipeline's runner (`clustertrain.parallel.pp.PipelineRunner`). The loss is handed in (`TokenLoss`), so this
+layer never imports the training layer; each runner applies the autocast its layout needs.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 class TokenLoss(Protocol):
-    """The summed next-token loss of a batch (clustertrain.train.loss.TOKEN_LOSS)."""
+    """The summed next-token loss of a batch (clustertrain.model.loss.TOKEN_LOSS)."""
 
     def model_loss_sum(self, model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                        position_ids: torch.Tensor | None) -> torch.Tensor:
@@ -31,6 +32,45 @@ class TokenLoss(Protocol):
 
     def output_loss_sum(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The summed token loss from a last pipeline stage's output."""
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """This rank's model parts as the training step, the evaluation and the trainer drive them.
+
+    Attributes:
+        parts: what the optimizer and checkpoints see, under full-model parameter names.
+        model: the whole model for the end-of-run sample, or None where no rank holds it (pipelines).
+        pp_group: the pipeline's group, over which the loss and the gradient norm are gathered, or None.
+        tied_copies: this rank's copies of weights another stage also holds: clipped, but not counted in the norm.
+        microbatches: forwards per step, each of an equal share of a rank's rows.
+        autocast_dtype: the autocast dtype where no FSDP policy casts, else None.
+    """
+
+    parts: list[nn.Module]
+    model: nn.Module | None
+    pp_group: dist.ProcessGroup | None
+    tied_copies: list[nn.Parameter]
+    microbatches: int
+    autocast_dtype: torch.dtype | None
+
+    def forward_backward(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+        """Backward of every microbatch's summed token loss times `scale`; this rank's loss sum (detached)."""
+
+    def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only: the summed token loss of the batch."""
+
+    def sync_grads(self) -> None:
+        """Whatever gradient sync the backward left to do, before clipping."""
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The autocast this layout runs its forwards in."""
+
+    def describe(self) -> str:
+        """What the runner adds to the start-up line of the layout ("" for none)."""
+
+    def train(self, mode: bool = True) -> None:
+        """Set every part to training (or, `mode=False`, evaluation) mode."""
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

@@ -19,7 +19,7 @@ Inputs and outputs, per microbatch of b rows of t tokens:
 - the last stage also takes `labels [b, t]` as a keyword (`schedule.step(..., labels=...)` on its rank:
   keywords reach every stage of the rank that passes them, split into microbatches like the inputs, and
   real ones, unlike activations, reach the schedule's first trial forward). A head that computes the loss
-  (`clustertrain.train.loss.LossHead`, which marks itself with `takes_targets`) then returns the summed loss
+  (`clustertrain.model.loss.LossHead`, which marks itself with `takes_targets`) then returns the summed loss
   as a 1-element tensor instead of logits: no full logits exist. Other stages ignore labels.
 
 The forward of each model family (embeddings, how the layers are called and masked, final norm) comes from its
@@ -53,41 +53,12 @@ import itertools
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from clustertrain.errors import ConfigError
 from clustertrain.lora import is_lora
-from clustertrain.model.families import Family, Plan, families, family_of
-
-
-def pipeline_plan(config: PretrainedConfig) -> Plan:
-    """Where the base model keeps its embeddings, decoder layers and final norm: transformers' shipped
-    `base_model_pp_plan`, else its family's (GPT-2, OPT).
-
-    Raises:
-        ConfigError: the architecture has neither.
-    """
-    shipped = getattr(config, "base_model_pp_plan", None)
-    family = family_of(config.model_type)
-    plan = shipped if isinstance(shipped, dict) and shipped else family and family.pp_plan
-    if not plan:
-        raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
-                          "(no base_model_pp_plan in transformers, none in clustertrain)")
-    return plan
-
-
-def stage_family(config: PretrainedConfig) -> Family:
-    """The family whose stage forward runs `config`'s model, once its pieces can be found (`pipeline_plan`).
-
-    Raises:
-        ConfigError: pipeline parallel cannot run the architecture.
-    """
-    pipeline_plan(config)
-    family = family_of(config.model_type)
-    if family is None:
-        raise ConfigError(f"model.arch = {config.model_type!r}: pipeline parallel is not supported for it "
-                          f"(clustertrain mirrors the forward of {', '.join(sorted(families()))} only)")
-    return family
+from clustertrain.model.families import Family, Plan
+from clustertrain.model.spec import pipeline_plan, stage_family
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[range]:

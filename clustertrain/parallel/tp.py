@@ -1,5 +1,5 @@
 """Tensor parallelism from the model's own plan: transformers' `base_model_tp_plan`, or its family's
-(`clustertrain.model.families`, e.g. OPT).
+(`clustertrain.model.families`, e.g. OPT), as `clustertrain.model.spec.tp_plan` finds it.
 
 A plan maps module-name patterns (relative to the base model, `*` for a layer index) to styles. Column-wise
 linears split their outputs over the tp ranks, row-wise linears their inputs and sum the results, so a block's
@@ -15,12 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from clustertrain.config.checks import ModelShape
-from clustertrain.config.schema import ModelConfig
 from clustertrain.errors import ConfigError
 from clustertrain.model.families import family_of
-from clustertrain.model.load import build_hf_config
-from clustertrain.parallel.stages import stage_family
+from clustertrain.model.spec import TP_STYLES, tp_plan
 
 STYLES: dict[str, ParallelStyle] = {
     "colwise": ColwiseParallel(),
@@ -28,38 +25,7 @@ STYLES: dict[str, ParallelStyle] = {
     "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),
     "rowwise_split_input": RowwiseParallel(input_layouts=Replicate()),
 }
-
-
-def tp_plan(config) -> dict[str, str]:
-    """The model's tensor-parallel plan, or a one-line error for an architecture we cannot split."""
-    family = family_of(config.model_type)
-    plan = getattr(config, "base_model_tp_plan", None) or (family and family.tp_plan)
-    if not plan:
-        raise ConfigError(f"parallel.tp = {config.model_type!r} has no tensor-parallel plan (its layers are not "
-                          "plain linears we can split); use parallel.tp: 1")
-    unknown = {s for s in plan.values() if s not in STYLES}
-    if unknown:
-        raise ConfigError(f"parallel.tp: the {config.model_type!r} plan uses styles {sorted(unknown)}, which "
-                          f"clustertrain does not support (only {sorted(STYLES)}); use parallel.tp: 1")
-    return plan
-
-
-def model_shape(model: ModelConfig, vocab_size: int) -> ModelShape:
-    """What clustertrain.config.checks needs of a model to check a layout: heads, layers, and whether tp and pp
-    can split its family. From the snapshot's config.json, or model.arch and model.config: no weights, no
-    tokenizer (`vocab_size` only completes a from-scratch config; it does not matter to the layout)."""
-    config = build_hf_config(model, None, model.config_fields.get("vocab_size", vocab_size))
-
-    def problem(plan) -> str | None:
-        try:
-            plan(config)
-        except ConfigError as e:
-            return str(e)
-        return None
-
-    heads = getattr(config, "num_attention_heads", None)
-    return ModelShape(config.model_type, heads, getattr(config, "num_key_value_heads", None) or heads,
-                      getattr(config, "num_hidden_layers", None), problem(tp_plan), problem(stage_family))
+assert set(STYLES) == set(TP_STYLES), "clustertrain.model.spec.TP_STYLES names the styles a plan may use"
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:

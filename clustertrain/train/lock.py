@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from clustertrain.distributed.collectives import all_gather_objects
 from clustertrain.errors import UserError
+from clustertrain.run_dir import RunDir
 
-LOCK_FILE = "run.lock"
+LOCK_FILE = RunDir(Path()).lock.name  # the file's name alone, as a run directory's listing shows it
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 6 * HEARTBEAT_S  # generous: clocks of hosts and file servers drift, filesystems stall
 
@@ -106,7 +107,7 @@ class RunLock:
         me = Holder.here()
         created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = run_dir / LOCK_FILE
+        path = RunDir(run_dir).lock
         for _ in range(5):  # another start may take, release or replace the lock between our steps
             if _link_new(path, me):
                 return cls(path, me, created)

@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from clustertrain.data.readers import BadData, json_type, parse_object
 from clustertrain.errors import DataError
+from clustertrain.run_dir import RunDir
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -203,7 +204,6 @@ class MetricsLogger:
         tensorboard: Also write TensorBoard scalars.
         progress: "auto" (a rich bar on a terminal, plain lines otherwise), "bar",
             "lines" or "none" (no progress output; files and ``info`` lines still go out).
-        jsonl_name: File name of the JSONL log inside ``run_dir``.
         console: Console to print to (default: a BestEffortConsole on stdout).
     """
 
@@ -216,7 +216,6 @@ class MetricsLogger:
         enabled: bool = True,
         tensorboard: bool = True,
         progress: str = "auto",
-        jsonl_name: str = "metrics.jsonl",
         console: Console | None = None,
     ) -> None:
         if progress not in _PROGRESS_MODES:
@@ -235,14 +234,14 @@ class MetricsLogger:
             return
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = self.run_dir / jsonl_name
+        self.jsonl_path = RunDir(self.run_dir).metrics
         self._file = self._open_jsonl(self.jsonl_path)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import, only when used
 
             # purge_step hides events a killed run wrote after the checkpoint we resume from.
             purge = start_step + 1 if start_step > 0 else None
-            self._writer = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"), purge_step=purge)
+            self._writer = SummaryWriter(log_dir=str(RunDir(self.run_dir).tensorboard), purge_step=purge)
         self.console = console if console is not None else BestEffortConsole()
         if progress == "auto":
             progress = "bar" if self.console.is_terminal else "lines"
@@ -339,3 +338,27 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Throughput:
+    """Tokens/s, per rank and as MFU, over the training steps since the last reset (evaluation, checkpoint and
+    trace-writing time are left out by resetting after them).
+
+    MFU = flops_per_token · tokens/s / (peak FLOP/s per rank · ranks) (PaLM, Chowdhery et al. 2022, appendix B).
+    """
+
+    def __init__(self, step: int, tokens_per_step: int, flops_per_token: float, peak_flops: float | None,
+                 world: int):
+        self.tokens_per_step, self.flops_per_token, self.peak_flops, self.world = (tokens_per_step, flops_per_token,
+                                                                                   peak_flops, world)
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.start, self.start_step = time.perf_counter(), step
+
+    def rates(self, step: int) -> dict[str, float | None]:
+        """tokens_per_s, tokens_per_s_per_rank and mfu (None where not measurable) since the last reset."""
+        elapsed = time.perf_counter() - self.start
+        per_s = self.tokens_per_step * (step - self.start_step) / elapsed if elapsed > 0 else None
+        mfu = self.flops_per_token * per_s / (self.peak_flops * self.world) if per_s and self.peak_flops else None
+        return {"tokens_per_s": per_s, "tokens_per_s_per_rank": per_s / self.world if per_s else None, "mfu": mfu}

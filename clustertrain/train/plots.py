@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from clustertrain.errors import DataError, UserError
+from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import read_jsonl
 
 
@@ -31,7 +32,7 @@ def pyplot() -> Any:
 
 def run_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """(step, value) points of loss, eval_loss and tokens_per_s logged in `run_dir/metrics.jsonl`."""
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         raise DataError(f"{path} does not exist: is {run_dir} a run directory (train.run_dir)?")
     curves: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "tokens_per_s": []}
@@ -47,7 +48,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
     plt = pyplot()
     curves = {run_dir: run_curves(run_dir) for run_dir in run_dirs}
     if not any(points for run in curves.values() for points in run.values()):
-        raise DataError(f"no loss or tokens/s logged yet in {', '.join(str(d / 'metrics.jsonl') for d in run_dirs)}")
+        raise DataError(f"no loss or tokens/s logged yet in {', '.join(str(RunDir(d).metrics) for d in run_dirs)}")
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (run_dir, run) in enumerate(curves.items()):
         color, label = f"C{i % 10}", run_dir.resolve().name

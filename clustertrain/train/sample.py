@@ -2,9 +2,13 @@
 
     ids = data_prompt(plan, tokenizer)        # or tokenizer(train.sample_prompt).input_ids
     text = tokenizer.decode(sample_ids(model, ids, 40, eos_id, device, autocast_dtype, together))
+    text = sample_or_warn(lambda: sample_text(runner, ...), log, run_dir)   # what a run ends with
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -13,7 +17,8 @@ from clustertrain.data.plan import DataPlan
 from clustertrain.data.sft import render_example
 from clustertrain.data.sources import text_of
 from clustertrain.distributed.collectives import broadcast
-from clustertrain.parallel.runner import autocast
+from clustertrain.parallel.apply import unwrap
+from clustertrain.parallel.runner import Runner, autocast
 
 PROMPT_TOKENS = 16  # of a document, when the prompt comes from the data
 
@@ -58,3 +63,34 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, eos_id:
             if choice.item() == eos_id:
                 break
     return ids
+
+
+@torch.no_grad()
+def sample_text(runner: Runner, together: bool, rank0: bool, tokenizer, plan: DataPlan, prompt: str | None,
+                max_new_tokens: int, device: torch.device) -> str:
+    """A short sampled continuation of `prompt` (top-k 40, temperature 0.8), through the training forward;
+    None: of the start of the run's own data (data_prompt).
+
+    The model's own forward runs as in training, so every layout's hooks apply (FSDP's unsharding of the
+    root's weights included, which HF's and peft's `generate` bypass). `together` (the weights are sharded or
+    split): every rank takes part, and rank 0's draw is broadcast, so all ranks run the same forwards; else
+    rank 0 samples alone from its full replica and the others return "".
+    """
+    if not (together or rank0):
+        return ""
+    model = runner.model if together else unwrap(runner.model)
+    model.eval()
+    start = tokenizer(prompt).input_ids if prompt is not None else data_prompt(plan, tokenizer)
+    ids = sample_ids(model, start, max_new_tokens, tokenizer.eos_token_id, device, runner.autocast_dtype, together)
+    model.train()
+    return tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
+def sample_or_warn(sample: Callable[[], str], log: Callable[[str], None], run_dir: Path) -> str | None:
+    """`sample()`, or None and one warning line if it fails: never a failed run (its checkpoint is saved)."""
+    try:
+        return sample()
+    except Exception as e:  # noqa: BLE001 - the run's result is its checkpoint, already complete
+        log(f"warning: the end-of-run sample failed ({type(e).__name__}: {str(e)[:200]}); the checkpoint is "
+            f"complete, and `clustertrain generate {run_dir}` samples from it")
+        return None

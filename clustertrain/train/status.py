@@ -6,6 +6,7 @@ stopped on purpose), because an exit code does not survive every launcher (torch
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -14,9 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clustertrain.distributed.failures import RankFailure
 from clustertrain.files import write_atomic
+from clustertrain.run_dir import RunDir
 
-STATUS_FILE = "status.json"
+STATUS_FILE = RunDir(Path()).status.name  # the file's name alone, as a run directory's listing shows it
 
 
 def write_status(run_dir: Path, state: str, **fields: Any) -> None:
@@ -36,7 +39,7 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
     }
     text = json.dumps(record, default=str) + "\n"
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / STATUS_FILE
+    path = RunDir(run_dir).status
     try:
         write_atomic(path, text)
     except OSError:
@@ -60,7 +63,19 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
 def read_status(run_dir: Path) -> dict[str, Any] | None:
     """The last status written, or None if there is none (or it is unreadable, or not a status)."""
     try:
-        status = json.loads((run_dir / STATUS_FILE).read_text())
+        status = json.loads(RunDir(run_dir).status.read_text())
     except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
     return status if isinstance(status, dict) and isinstance(status.get("state"), str) else None
+
+
+def record_failure(run_dir: Path, error: BaseException, first: RankFailure | None, step: int,
+                   checkpoint: Path | None) -> None:
+    """status.json says "failed", with the error that ended the run: `first`, the first failure of any rank
+    (None for a second Ctrl-C, which interrupts without saving), else `error`. Best effort: the error that
+    matters is the run's own."""
+    message = f"{type(error).__name__}: {error}" if first is None or first.rank == 0 else str(first)
+    if first is None:
+        message = f"interrupted by a second Ctrl-C, without saving (last checkpoint: {checkpoint or 'none'})"
+    with contextlib.suppress(OSError):
+        write_status(run_dir, "failed", step=step, error=message)

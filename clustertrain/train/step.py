@@ -20,11 +20,8 @@ from torch.distributed.tensor.experimental import implicit_replication
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.distributed.collectives import all_reduce
 from clustertrain.errors import UserError
-from clustertrain.parallel.pp import Pipeline
-from clustertrain.parallel.runner import LocalRunner
+from clustertrain.parallel.runner import Runner
 from clustertrain.train.optim import Optimizers
-
-Runner = LocalRunner | Pipeline
 
 DIVERGED_EXIT_CODE = 3
 MAX_SKIPS_IN_A_ROW = 10  # train.on_nan: skip gives up after this many non-finite steps in a row
@@ -70,9 +67,14 @@ class StepResult:
     finite: torch.Tensor | None = None
 
 
+def loss_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many of `labels` carry loss (are not IGNORE_INDEX): what a step's and an evaluation's mean divides by."""
+    return labels.ne(IGNORE_INDEX).sum()
+
+
 def count_tokens(batch: dict[str, torch.Tensor], dp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """Tokens that carry loss in the whole global batch (summed over the data-parallel ranks of `dp_group`)."""
-    count = batch["labels"].ne(IGNORE_INDEX).sum()
+    count = loss_tokens(batch["labels"])
     if dp_group is not None:
         count = all_reduce(count, group=dp_group)
     return count.clamp(min=1)

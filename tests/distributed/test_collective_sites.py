@@ -70,8 +70,8 @@ def test_every_collective_site_of_a_sharded_run_uses_the_group_device(tmp_path):
     assert [c for c in calls if c["wrong_device"]] == []
     assert {c["module"] for c in calls} == {"distributed/collectives.py"}
     sites = {c["site"] for c in calls}
-    for site in ["trainer.build", "step.count_tokens", "step.global_mean_loss", "trainer._data_metrics",
-                 "trainer._evaluate", "stop.agreed", "loader.state_dict", "audit.record"]:
+    for site in ["trainer.build", "step.count_tokens", "step.global_mean_loss", "batches.metrics",
+                 "evaluate.evaluate", "stop.agreed", "loader.state_dict", "audit.record"]:
         assert site in sites, (site, sites)
 
 
@@ -82,4 +82,4 @@ def test_every_collective_site_of_a_pipeline_run_uses_the_group_device(tmp_path)
     p2p = {c["name"] for c in calls if c["module"] == "parallel/pp.py"}
     assert p2p == {"send", "recv", "batch_isend_irecv"}  # tied weights, then their gradients
     assert {c["module"] for c in calls} == {"distributed/collectives.py", "parallel/pp.py"}
-    assert {"step.clip_grad_norm", "trainer._evaluate", "step.global_mean_loss"} <= {c["site"] for c in calls}
+    assert {"step.clip_grad_norm", "evaluate.evaluate", "step.global_mean_loss"} <= {c["site"] for c in calls}

@@ -110,7 +110,7 @@ def test_document_masking_changes_what_the_model_sees(runs):
 def test_the_chunked_loss_trains_like_the_full_loss(runs):
     full, chunked = runs["zero3"], runs["zero3_chunked"]
     assert losses(chunked) == pytest.approx(losses(full), rel=1e-6)
-    # one step is equal to 1e-6 (tests/unit/train/test_loss.py); over 10 updates the summation order drifts 6e-7,
+    # one step is equal to 1e-6 (tests/unit/model/test_loss.py); over 10 updates the summation order drifts 6e-7,
     # then 2.2e-5 in step 10's gradient norm, which the smallest change moves (the fp16 run's: 11%)
     assert grad_norms(chunked) == pytest.approx(grad_norms(full), rel=7e-5)
     stdout = (chunked / "stdout.log").read_text()

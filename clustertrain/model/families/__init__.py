@@ -17,7 +17,7 @@ Adding a family means adding a file here that defines `FAMILY`; `family_of` find
 family still trains whole, under DDP or FSDP, and tensor-parallel when transformers ships its plan; pipeline
 parallel needs a family. Two choices stay with the libraries that make them: which types liger-kernel fuses
 (its own table, `clustertrain.model.kernels`) and which heads the chunked loss may replace
-(`clustertrain.train.loss.PLAIN_HEAD_MODELS`).
+(`clustertrain.model.loss.PLAIN_HEAD_MODELS`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Family:
         decode: `(stage, hidden, position_ids) -> hidden` through the stage's layers, masks and rotary included.
         final: `(stage, hidden) -> hidden` before the head, on the last stage (final norm, projections).
         pp_plan: where the base model keeps its pieces, when transformers ships no `base_model_pp_plan`.
-        tp_plan: module pattern -> style (`clustertrain.parallel.tp.STYLES`), when it ships no `base_model_tp_plan`.
+        tp_plan: module pattern -> style (`clustertrain.model.spec.TP_STYLES`), when it ships no `base_model_tp_plan`.
         local_head_counts: attention module pattern -> the attribute holding its head count, which tensor
             parallelism divides by the degree (a module that reshapes by that count).
     """

@@ -15,7 +15,8 @@ import pytest
 from helpers import TINY
 
 from clustertrain.checkpoint import dcp as ckpt
-from clustertrain.checkpoint.reader import TRAIN_STATE
+from clustertrain.checkpoint.load import load_checkpoint
+from clustertrain.checkpoint.train_state import TRAIN_STATE
 from clustertrain.config.load import load_config
 from clustertrain.train.trainer import Trainer
 
@@ -42,10 +43,10 @@ def published(root: Path) -> list[Path]:
 
 def resume_from(trainer: Trainer, folder: Path) -> int:
     """Load `folder` as a resume does (into the trainer's model, optimizer and loader); its step."""
-    state = ckpt.load_checkpoint(folder, trainer.runner.parts, trainer.optimizer)
-    trainer.loader.load_state_dict(state["data"])
+    state = load_checkpoint(folder, trainer.runner.parts, trainer.optimizer)
+    trainer.loader.load_state_dict(state.data)
     assert (folder / "config.yaml").is_file() and (folder / "tokenizer" / "tokenizer.json").is_file(), folder
-    return state["step"]
+    return state.step
 
 
 def test_a_save_stopped_after_any_write_publishes_nothing_incomplete(tmp_path, monkeypatch):

@@ -14,9 +14,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from clustertrain.checkpoint import dcp as ckpt
-from clustertrain.checkpoint.manager import CheckpointManager
+from clustertrain.checkpoint.load import load_checkpoint
+from clustertrain.checkpoint.manager import CheckpointManager, StandAlone, Tracked
 from clustertrain.config.schema import CheckpointConfig, walltime_seconds
 from clustertrain.distributed.stop import StopRequests, listen_early
+from clustertrain.errors import CheckpointError
+from clustertrain.run_dir import RunDir
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def one_rank():
 ])
 def test_async_saves_by_default_on_gpus_through_pinned_memory(one_rank, tmp_path, setting, device, is_async, pinned):
     config = CheckpointConfig.model_validate({"async": setting})
-    manager = CheckpointManager(tmp_path, config, 10, print, torch.device(device))
+    manager = CheckpointManager(RunDir(tmp_path), config, 10, torch.device(device), StandAlone("{}"))
     assert manager.async_save is is_async
     assert manager.pinned_staging is pinned
 
@@ -68,14 +71,14 @@ def held_writes(monkeypatch):
     release.set()
 
 
-def async_manager(root):
-    return CheckpointManager(root, CheckpointConfig.model_validate({"async": True}), 10, print, torch.device("cpu"))
+def async_manager(run_dir):
+    return CheckpointManager(RunDir(run_dir), CheckpointConfig.model_validate({"async": True}), 10, torch.device("cpu"),
+                             StandAlone("{}"))
 
 
 def save(manager, step, model, **kwargs):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return manager.save(step, model, optimizer, {"step": step, "tokens_seen": 64 * step, "world_size": 1},
-                        lambda folder: (folder / "config.yaml").write_text("{}"), **kwargs)
+    manager.tracked = Tracked(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    return manager.save(step, 64 * step, **kwargs)
 
 
 def test_a_log_step_never_waits_for_an_async_write_and_commits_it_once_done(one_rank, tmp_path, held_writes):
@@ -83,6 +86,7 @@ def test_a_log_step_never_waits_for_an_async_write_and_commits_it_once_done(one_
     model = nn.Linear(4, 2)
     saved = model.weight.detach().clone()
     manager = async_manager(tmp_path)
+    root = tmp_path / "checkpoints"
     assert save(manager, 2, model) is None  # staged and writing in the background
     with torch.no_grad():
         model.weight.add_(1.0)  # training goes on: the checkpoint keeps the weights of step 2
@@ -90,30 +94,31 @@ def test_a_log_step_never_waits_for_an_async_write_and_commits_it_once_done(one_
         start = time.perf_counter()
         assert manager.commit_if_done() is None
         assert time.perf_counter() - start < 1.0
-    assert not (tmp_path / "step-0000002").exists()  # nothing half-written is ever visible
+    assert not (root / "step-0000002").exists()  # nothing half-written is ever visible
     held_writes.set()
     deadline, path = time.monotonic() + 30, None
     while path is None and time.monotonic() < deadline:  # the next log steps: committed once the write is done
         path = manager.commit_if_done()
         time.sleep(0.01)
-    assert path == tmp_path / "step-0000002" == manager.last
+    assert path == root / "step-0000002" == manager.last
     assert {"train_state.json", ".metadata", "rng-0.json", "config.yaml"} <= {p.name for p in path.iterdir()}
-    assert not list(tmp_path.glob(".tmp-*"))
-    ckpt.load_checkpoint(path, model, None)
+    assert not list(root.glob(".tmp-*"))
+    load_checkpoint(path, model, None)
     assert torch.equal(model.weight, saved)
 
 
 def test_the_next_save_and_the_last_wait_for_a_write_in_flight(one_rank, tmp_path, held_writes):
     model = nn.Linear(4, 2)
     manager = async_manager(tmp_path)
+    root = tmp_path / "checkpoints"
     assert save(manager, 2, model) is None
     threading.Timer(0.5, held_writes.set).start()
     start = time.perf_counter()
     assert save(manager, 4, model) is None  # waits for step 2's write, commits it, then starts its own
     assert time.perf_counter() - start >= 0.4
-    assert manager.last == tmp_path / "step-0000002" and (manager.last / "train_state.json").exists()
-    assert manager.finalize(final=True) == tmp_path / "step-0000004"  # the run's end waits for the last one
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000002", "step-0000004"]
+    assert manager.last == root / "step-0000002" and (manager.last / "train_state.json").exists()
+    assert manager.finalize(final=True) == root / "step-0000004"  # the run's end waits for the last one
+    assert sorted(p.name for p in root.iterdir()) == ["step-0000002", "step-0000004"]
 
 
 def test_ctrl_c_asks_for_a_save_and_a_second_one_exits_at_once():
@@ -178,7 +183,7 @@ def test_a_failed_last_save_says_what_to_do_about_its_cause(one_rank, tmp_path, 
         def read_only(*args, **kwargs):
             raise OSError(30, "Read-only file system")  # EROFS: root ignores permissions, so raised here
         monkeypatch.setattr(ckpt, "_write_json", read_only)
-    manager = CheckpointManager(root, CheckpointConfig(), 4, print, torch.device("cpu"))
-    with pytest.raises(ckpt.CheckpointError, match=f"steps 1-4 are lost: .*{remedy}") as error:
+    manager = CheckpointManager(RunDir(tmp_path), CheckpointConfig(), 4, torch.device("cpu"), StandAlone("{}"))
+    with pytest.raises(CheckpointError, match=f"steps 1-4 are lost: .*{remedy}") as error:
         save(manager, 4, nn.Linear(4, 2), final=True)
     assert "free space" not in str(error.value)

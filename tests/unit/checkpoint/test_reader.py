@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.checkpoint.load import load_checkpoint
+from clustertrain.checkpoint.train_state import TrainState
 from clustertrain.checkpoint.reader import (METADATA_GLOBALS, DamagedCheckpoint, MetadataUnpickler, check_fits,
                                             load_state, open_checkpoint, read_metadata)
 from clustertrain.errors import CheckpointError
@@ -65,7 +67,7 @@ def saved(one_rank, tmp_path):
     optimizer.step()
     root = tmp_path / "checkpoints"
     ckpt.write_shards(root, 2, model, optimizer)
-    ckpt.commit(root, 2, {"step": 2, "tokens_seen": 64, "world_size": 1}, lambda folder: None)
+    ckpt.commit(root, 2, TrainState(step=2, tokens_seen=64, world_size=1), lambda folder: None)
     return root / "step-0000002", model, optimizer
 
 
@@ -101,7 +103,7 @@ def test_a_checkpoint_read_through_the_allowlist_loads_as_before(saved):
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
-    assert ckpt.load_checkpoint(path, model, optimizer)["step"] == 2
+    assert load_checkpoint(path, model, optimizer).step == 2
     for k, v in model.state_dict().items():
         assert torch.equal(v.full_tensor(), before[k]), k
 
@@ -190,7 +192,7 @@ def test_a_payload_in_a_shard_is_refused_naming_the_file(saved, tmp_path, prefix
         f.seek(offset)
         f.write(payload)
     with pytest.raises(CheckpointError) as error:
-        ckpt.load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, model, optimizer)
     assert str(error.value) == f"{file} holds code or non-tensor objects (it refers to io.open) and was not loaded"
     assert not marker.exists()
 
@@ -201,10 +203,10 @@ def test_shard_damage_is_found_before_loading(saved):
     with open(file, "r+b") as f:
         f.truncate(10)
     with pytest.raises(CheckpointError, match=f"^{file} is truncated \\(10 bytes, \\d+ expected\\)$"):
-        ckpt.load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, model, optimizer)
     file.unlink()
     with pytest.raises(CheckpointError, match=f"^{file} is missing$"):
-        ckpt.load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, model, optimizer)
 
 
 @pytest.mark.parametrize("state, message", [
@@ -233,7 +235,7 @@ def test_a_damaged_rng_state_is_one_line(saved, content, message):
     else:
         (path / "rng-0.json").write_text(content)
     with pytest.raises(CheckpointError, match=message):
-        ckpt.load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, model, optimizer)
 
 
 def test_a_damaged_newest_checkpoint_names_the_previous_intact_one(saved):
@@ -245,11 +247,11 @@ def test_a_damaged_newest_checkpoint_names_the_previous_intact_one(saved):
     (older / "rng-0.json").unlink()  # damaged too: the hint skips it
     (path / ".metadata").unlink()
     with pytest.raises(CheckpointError) as error:
-        ckpt.load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, model, optimizer)
     assert str(error.value).endswith(f"; to go on from the previous intact checkpoint: --resume {oldest}")
     shutil.rmtree(oldest)
     with pytest.raises(CheckpointError) as error:
-        ckpt.load_checkpoint(path, model, optimizer)
+        load_checkpoint(path, model, optimizer)
     assert str(error.value) == f"{path / '.metadata'} is missing, so the checkpoint's shards cannot be read"
 
 

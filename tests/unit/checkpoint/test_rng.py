@@ -10,6 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from clustertrain.checkpoint import dcp as ckpt
+from clustertrain.checkpoint import rng
+from clustertrain.checkpoint.load import load_checkpoint
+from clustertrain.checkpoint.train_state import TrainState
 from clustertrain.distributed import collectives
 
 
@@ -37,14 +40,14 @@ def one_rank():
 def on_gpus(monkeypatch, count: int, index: int) -> FakeGpus:
     """This rank sees `count` GPUs and trains on `index`."""
     gpus = FakeGpus(count)
-    monkeypatch.setattr(ckpt, "cuda_rng", gpus)
+    monkeypatch.setattr(rng, "cuda_rng", gpus)
     monkeypatch.setattr(collectives, "_rank_device", torch.device("cuda", index))
     return gpus
 
 
 def save(root, model, optimizer):
     ckpt.write_shards(root, 2, model, optimizer)
-    return ckpt.commit(root, 2, {"step": 2, "tokens_seen": 64, "world_size": 1}, lambda folder: None)
+    return ckpt.commit(root, 2, TrainState(step=2, tokens_seen=64, world_size=1), lambda folder: None)
 
 
 @pytest.fixture
@@ -60,10 +63,10 @@ def test_a_rank_saved_on_an_8_gpu_node_resumes_seeing_one_gpu(one_rank, tmp_path
     path = save(tmp_path, *model)
     assert json.loads((path / "rng-0.json").read_text())["cuda"] == [saving.states[3].tolist()]  # its own only
     resuming = on_gpus(monkeypatch, 1, 0)
-    ckpt.load_checkpoint(path, *model)
+    load_checkpoint(path, *model)
     assert torch.equal(resuming.states[0], saving.states[3])
     resuming = on_gpus(monkeypatch, 8, 5)  # and back onto a bigger node, on another device index
-    ckpt.load_checkpoint(path, *model)
+    load_checkpoint(path, *model)
     assert torch.equal(resuming.states[5], saving.states[3])
 
 
@@ -74,8 +77,8 @@ def test_a_checkpoint_holding_every_visible_gpu_still_resumes_on_fewer(one_rank,
     old = FakeGpus(8)
     (path / "rng-0.json").write_text(json.dumps({**rng, "cuda": [s.tolist() for s in old.states]}))
     resuming = on_gpus(monkeypatch, 1, 0)
-    ckpt.load_checkpoint(path, *model)
+    load_checkpoint(path, *model)
     assert torch.equal(resuming.states[0], old.states[0])
     resuming = on_gpus(monkeypatch, 8, 5)  # the same layout again: the rank's own device's entry
-    ckpt.load_checkpoint(path, *model)
+    load_checkpoint(path, *model)
     assert torch.equal(resuming.states[5], old.states[5])

@@ -79,6 +79,20 @@ def test_under_pp_grad_accum_is_the_microbatch_count():
     assert config.parallel.microbatches == 8
 
 
+@pytest.mark.parametrize("overrides, world, wrapper", [
+    (["parallel.strategy=ddp"], 1, None),  # one rank: nothing to shard or sync, autocast casts
+    (["parallel.strategy=zero3"], 1, None),
+    (["parallel.strategy=ddp"], 4, "ddp"),
+    (["parallel.strategy=zero2"], 4, "fsdp"),
+    (["parallel.strategy=hybrid_zero3", "parallel.hybrid_shard_size=2"], 4, "fsdp"),
+    (["parallel.strategy=ddp", "parallel.tp=2"], 2, "fsdp"),  # tp: FSDP2 replicates, parameters become DTensors
+    (["parallel.strategy=ddp", "parallel.pp=2"], 2, None),
+    (["parallel.strategy=ddp", "parallel.pp=2"], 4, "fsdp"),  # the pipeline drives FSDP2's sync itself
+])
+def test_the_layout_chooses_fsdp_ddp_or_no_wrapper_once(overrides, world, wrapper):
+    assert resolve_layout(load_config(None, overrides), world).wrapper == wrapper
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "parallel.microbatches=3"],
      "parallel.microbatches = 3 does not divide the 8 sequences each of the 1 data-parallel ranks"),

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from clustertrain.cli import main
-from clustertrain.config.load import load_config
-from clustertrain.model.load import build_hf_config
+from clustertrain.model.build import build_hf_config
+from clustertrain.model.spec import load_checked_config
 
 FIXTURES = sorted((Path(__file__).parents[2] / "fixtures" / "hf_configs").glob("*.json"))
 
@@ -20,7 +20,7 @@ def test_a_real_config_json_is_a_model_config(tmp_path, path):
     fields = json.loads(path.read_text())
     config_file = tmp_path / "run.yaml"
     config_file.write_text(yaml.safe_dump({"model": {"arch": fields["model_type"], "config": fields}}))
-    hf = build_hf_config(load_config(config_file).model, None, vocab_size=fields["vocab_size"])
+    hf = build_hf_config(load_checked_config(config_file).model, None, vocab_size=fields["vocab_size"])
     for key in ("hidden_size", "n_embd", "num_hidden_layers", "n_layer", "num_key_value_heads", "vocab_size"):
         if key in fields:
             assert getattr(hf, key) == fields[key], key

@@ -9,13 +9,14 @@ import pytest
 
 from clustertrain.config.load import dump_config, load_config
 from clustertrain.errors import ConfigError
+from clustertrain.model.spec import load_checked_config
 
 CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.*"))
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_parses(path):
-    config = load_config(path)
+    config = load_checked_config(path)
     assert config.name == path.stem
     assert config.train.run_dir or str(config.run_dir) == f"runs/{path.stem}"
 
@@ -74,7 +75,7 @@ def test_dump_keeps_what_was_left_unset(tmp_path):
 )
 def test_bad_values_name_key_value_and_what_is_allowed(overrides, message):
     with pytest.raises(ConfigError) as info:
-        load_config(None, overrides)
+        load_checked_config(None, overrides)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from clustertrain.config.load import load_config
-from clustertrain.config.schema import parse_slurm_time, walltime_seconds
+from clustertrain.config.slurm_schema import parse_slurm_time, walltime_seconds
 from clustertrain.errors import ConfigError
 
 

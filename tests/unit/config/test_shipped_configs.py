@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 
 from clustertrain.config.checks import check_world
-from clustertrain.config.load import load_config
 from clustertrain.launch.slurm import job_spec, render_script
-from clustertrain.parallel.tp import model_shape
+from clustertrain.model.spec import load_checked_config, model_shape
 
 ROOT = Path(__file__).parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.*"))
@@ -37,7 +36,7 @@ def node_counts(path: Path) -> list[int]:
 
 def stand_in(path: Path, tmp_path: Path) -> list[str]:
     """Overrides that point a fine-tuning recipe at its model's config.json."""
-    model = load_config(path).model
+    model = load_checked_config(path).model
     if not model.pretrained:
         return []
     snapshot = tmp_path / "snapshot"
@@ -50,7 +49,7 @@ def stand_in(path: Path, tmp_path: Path) -> list[str]:
 def test_every_shipped_config_renders_and_fits_its_node_counts(path, tmp_path):
     overrides = stand_in(path, tmp_path)
     for nodes in node_counts(path):
-        config = load_config(path, [*overrides, f"slurm.nodes={nodes}"])
+        config = load_checked_config(path, [*overrides, f"slurm.nodes={nodes}"])
         script = render_script(config, [f"configs/{path.name}"], ROOT, f"configs/{path.name}")
         assert f"#SBATCH --nodes={nodes}\n" in script
         spec = job_spec(config.slurm)
@@ -63,7 +62,7 @@ def test_the_global_batch_the_cpu_recipes_had_does_not_fit_the_node_counts_users
     path = ROOT / "configs" / "distilgpt2-lora-cpu.yaml"
     overrides = [*stand_in(path, tmp_path), "train.global_batch_size=16"]
     for nodes in (5, 10, 20):
-        config = load_config(path, [*overrides, f"slurm.nodes={nodes}"])
+        config = load_checked_config(path, [*overrides, f"slurm.nodes={nodes}"])
         problems = check_world(config, nodes, 1, model_shape(config.model, config.data.vocab_size))
         assert [p.split(";")[0] for p in problems] == [
             f"train.global_batch_size = 16 is not divisible by the {nodes} data-parallel ranks"]
@@ -71,7 +70,7 @@ def test_the_global_batch_the_cpu_recipes_had_does_not_fit_the_node_counts_users
 
 def test_the_frontier_lora_sft_recipe_is_a_whole_job(tmp_path):
     path = ROOT / "configs" / "frontier-lora-sft-llama3.yaml"
-    config = load_config(path, stand_in(path, tmp_path))
+    config = load_checked_config(path, stand_in(path, tmp_path))
     assert (config.data.mode, config.lora.enabled, config.parallel.strategy, config.parallel.param_dtype) == (
         "sft", True, "zero3", "bfloat16")
     assert config.train.epochs and config.train.grad_accum and config.data.sources[0].hf_name

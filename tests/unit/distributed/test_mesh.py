@@ -1,17 +1,25 @@
-"""Parallel degrees from the config: defaults from the strategy, explicit degrees, and one-line errors."""
+"""Parallel degrees from the config: defaults from the strategy, explicit degrees, and one-line errors; the mesh
+built from the checked layout."""
 
 from __future__ import annotations
 
 import pytest
 
-from clustertrain.config.schema import ParallelConfig
-from clustertrain.distributed.env import RankInfo
-from clustertrain.distributed.mesh import degrees
+from clustertrain.config.checks import Layout, resolve_layout
+from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
 from clustertrain.errors import ConfigError
 
 
-def ranks(world: int, per_node: int | None = None) -> RankInfo:
-    return RankInfo(0, world, 0, per_node or world, 0, "localhost", 29500, "single")
+def layout(settings: dict, world: int, per_node: int | None = None) -> Layout:
+    """The checked layout of `settings` (parallel.*) on `world` ranks, with a batch that fits any of them."""
+    train = TrainConfig(steps=1, micro_batch_size=1, grad_accum=1)  # one row per data-parallel rank
+    config = RunConfig(parallel=ParallelConfig(**settings), train=train)
+    return resolve_layout(config, world, per_node or world)
+
+
+def degrees(settings: dict, world: int, per_node: int | None = None) -> tuple[int, int, int, int]:
+    found = layout(settings, world, per_node)
+    return found.pp, found.dp_replicate, found.dp_shard, found.tp
 
 
 @pytest.mark.parametrize("settings, world, expected", [
@@ -24,7 +32,7 @@ def ranks(world: int, per_node: int | None = None) -> RankInfo:
     (dict(strategy="zero3", dp_shard=2, tp=2), 8, (1, 2, 2, 2)),
 ])
 def test_degrees(settings, world, expected):
-    assert degrees(ParallelConfig(**settings), ranks(world, per_node=8)) == expected
+    assert degrees(settings, world, per_node=8) == expected
 
 
 @pytest.mark.parametrize("settings, world, message", [
@@ -36,7 +44,7 @@ def test_degrees(settings, world, expected):
 ])
 def test_degrees_that_do_not_fit_name_what_would(settings, world, message):
     with pytest.raises(ConfigError) as error:
-        degrees(ParallelConfig(**settings), ranks(world))
+        degrees(settings, world)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
@@ -64,7 +72,7 @@ def test_each_group_of_ranks_gets_one_process_group(world_of_8, settings, dp_ran
     from clustertrain.distributed.mesh import DIMS, build_mesh
 
     before = set(_world.pg_map)
-    mesh = build_mesh(ParallelConfig(**settings), ranks(8), "cpu")
+    mesh = build_mesh(layout(settings, 8), "cpu")
     made = set(_world.pg_map) - before
     shared = [tuple(dist.get_process_group_ranks(g)) for g in made if g.size() > 1]
     assert len(set(shared)) == len(shared), f"two process groups of the same ranks: {sorted(shared)}"

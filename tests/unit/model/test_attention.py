@@ -22,8 +22,8 @@ import clustertrain.model.attention as attention
 from clustertrain.errors import ConfigError
 from clustertrain.data.pack import document_bounds
 from clustertrain.model.attention import document_lengths, keep_packed_documents_apart, resolve_attention, use_documents
-from clustertrain.model.load import build_meta_model
-from clustertrain.train.loss import token_loss_sum
+from clustertrain.model.build import build_meta_model
+from clustertrain.model.loss import token_loss_sum
 
 VOCAB = 100
 LLAMA = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

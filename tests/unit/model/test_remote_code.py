@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from clustertrain.config.load import load_config
 from clustertrain.config.schema import DataConfig, ModelConfig
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.errors import CheckpointError, ConfigError, DataError, UserError
 from clustertrain.inference import load_for_inference
-from clustertrain.model.load import build_hf_config
+from clustertrain.model.build import build_hf_config
+from clustertrain.model.spec import load_checked_config
 from helpers import ONE_THREAD, write_tiny_repo
 
 PROMPT = "Do you wish to run the custom code"
@@ -77,7 +77,7 @@ def test_train_refuses_a_tokenizer_that_ships_code(repo, tmp_path, capsys):
 def test_a_snapshot_whose_config_ships_code_is_refused(repo, tmp_path, capsys):
     folder = model_with_code(repo, tmp_path / "model")
     with pytest.raises(ConfigError) as error:  # `config show`, `train`, `plan`: the config's check of model.path
-        load_config(None, [f"model.path={folder}"])
+        load_checked_config(None, [f"model.path={folder}"])
     assert_refused(error, folder, "config.json", capsys)
     assert "model.path" in str(error.value)
     with pytest.raises(ConfigError) as error:  # the run's own build of the snapshot's config

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from clustertrain.model.load import block_classes
+from clustertrain.model.build import block_classes
 from clustertrain.parallel.ac import apply_activation_checkpointing
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,

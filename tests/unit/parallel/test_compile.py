@@ -17,10 +17,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from clustertrain.config.schema import LoraConfig
 from clustertrain.lora import apply_lora
-from clustertrain.model.load import block_classes
+from clustertrain.model.build import block_classes
 from clustertrain.parallel.ac import apply_activation_checkpointing
 from clustertrain.parallel.compile import apply_compile
-from clustertrain.train.loss import token_loss_sum
+from clustertrain.model.loss import token_loss_sum
 
 VOCAB = 128
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

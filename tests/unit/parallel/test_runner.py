@@ -1,4 +1,5 @@
-"""LocalRunner: evaluation runs in training's microbatches, so its logits fit where training's fit."""
+"""LocalRunner: evaluation runs in training's microbatches, so its logits fit where training's fit; both runners
+are a Runner."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from clustertrain.parallel.runner import LocalRunner
-from clustertrain.train.loss import TokenLoss, token_loss_sum
+from clustertrain.model.loss import TokenLoss, token_loss_sum
 
 
 def test_evaluation_forwards_one_microbatch_at_a_time_and_sums_them_all():
@@ -28,3 +29,30 @@ def test_evaluation_forwards_one_microbatch_at_a_time_and_sums_them_all():
         whole = token_loss_sum(model, ids, labels)
     assert rows_seen_by_runner == [2, 2, 2, 2], "the logits of a rank's whole share must never exist at once"
     torch.testing.assert_close(total, whole, rtol=1e-5, atol=1e-5)
+
+
+def test_both_runners_are_what_the_step_and_the_trainer_drive():
+    """Runner declares every attribute and method the step, the evaluation and the trainer use of a runner."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from clustertrain.config.checks import resolve_layout
+    from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
+    from clustertrain.distributed.mesh import build_mesh
+    from clustertrain.parallel.pp import PipelineRunner
+    from clustertrain.parallel.runner import Runner
+    from clustertrain.parallel.stages import build_stage
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    cpu = torch.device("cpu")
+    assert isinstance(LocalRunner(model, TokenLoss(), microbatches=2, device=cpu, autocast_dtype=None), Runner)
+    parallel = ParallelConfig(pp=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # stage 0 of 2; nothing is sent
+    try:
+        mesh = build_mesh(resolve_layout(RunConfig(parallel=parallel, train=TrainConfig(steps=1)), 2), "cpu")
+        runner = PipelineRunner([build_stage(model, 0, 2)], parallel, mesh, cpu, 2, TokenLoss(), None)
+        assert isinstance(runner, Runner)
+    finally:
+        dist.destroy_process_group()

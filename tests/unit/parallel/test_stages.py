@@ -8,8 +8,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from clustertrain.errors import ConfigError
+from clustertrain.model.spec import pipeline_plan
 from clustertrain.model.weights import init_weights
-from clustertrain.parallel.stages import build_stage, pipeline_plan, split_layers
+from clustertrain.parallel.stages import build_stage, split_layers
 
 VOCAB, LENGTH = 128, 12
 ROPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

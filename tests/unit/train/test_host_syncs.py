@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 import clustertrain.model.attention as attention
-import clustertrain.train.trainer as trainer_module
+import clustertrain.model.build as model_build
 from clustertrain.config.load import load_config
 from clustertrain.data.pack import document_bounds
 from clustertrain.train.trainer import Trainer
@@ -72,7 +72,7 @@ def stand_ins(monkeypatch):
     def flash():
         # flash-attn is neither installed nor able to run here: transformers' check for it and ours (the device)
         monkeypatch.setattr(PreTrainedModel, "_check_and_adjust_attn_implementation", lambda self, name, *a, **k: name)
-        monkeypatch.setattr(trainer_module, "resolve_attention", lambda *args, **kwargs: "flash_attention_2")
+        monkeypatch.setattr(model_build, "resolve_attention", lambda *args, **kwargs: "flash_attention_2")
         monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "flash_attention_2", flash_varlen_stand_in(calls))
         return ["data.doc_masking=true"]
 

@@ -24,11 +24,17 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from clustertrain.config.load import load_config
 from clustertrain.data.pack import IGNORE_INDEX
+from clustertrain.train.batches import to_device
 from clustertrain.train.metrics import read_jsonl
 from clustertrain.train.trainer import Trainer
 
 LR, WARMUP, CLIP, WEIGHT_DECAY, BETAS, EPS = 3e-3, 2, 0.5, 0.1, (0.9, 0.95), 1e-8
 MICRO = 4  # TINY's train.micro_batch_size: two micro batches of the 8 sequences per step
+
+
+def stage(trainer, loader):
+    """The next batch of `loader` as the step gets it: on the device, with position ids where documents are packed."""
+    return to_device(loader.next_batch(), trainer.device, trainer.config.data.packed_documents, trainer.attention)
 
 
 DATA = {
@@ -136,7 +142,7 @@ def test_one_rank_step_equals_a_hand_written_step(tmp_path, data):
                             f"optim.betas=[{BETAS[0]}, {BETAS[1]}]", f"optim.eps={EPS}")
     try:
         loader = trainer._loader("train")  # the first batches, from a loader of its own
-        batches = [trainer._next_batch(loader) for _ in range(2)]  # as the step gets them: position ids if used
+        batches = [stage(trainer, loader) for _ in range(2)]  # as the step gets them: position ids if used
         assert ("position_ids" in batches[0]) == (data != "pretrain")
         for batch in batches:
             check_batch(data, batch, trainer.tokenizer.eos_token_id)
@@ -176,7 +182,7 @@ def test_evaluation_is_the_mean_over_every_held_out_token(tmp_path, data):
     trainer = build_trainer(tmp_path, data, "train.eval_batches=3")
     try:
         loader = trainer._loader("eval")
-        batches = [trainer._next_batch(loader) for _ in range(3)]
+        batches = [stage(trainer, loader) for _ in range(3)]
         reference = reference_model(trainer).eval()
         logged = trainer._evaluate()
     finally:

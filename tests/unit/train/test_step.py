@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from clustertrain.train.loss import token_loss_sum
+from clustertrain.model.loss import token_loss_sum
 from clustertrain.train.optim import Optimizers
 from clustertrain.train.step import MAX_SKIPS_IN_A_ROW, NonFiniteSteps, StepResult, update
 

@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.parallel.stages import build_stage
-from clustertrain.train.loss import (
+from clustertrain.model.loss import (
     LossHead, apply_loss_head, chunked_loss_sum, full_loss_sum, output_loss_sum, resolve_loss, token_loss_sum,
 )
 

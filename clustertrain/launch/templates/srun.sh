@@ -1,0 +1,3 @@
+# One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.
+@{srun} \
+    "$python" @{train} &
