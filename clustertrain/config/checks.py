@@ -259,13 +259,11 @@ def microbatch_problem(count: int, per_rank: int, parallel: ParallelConfig, dp: 
     return f"parallel.microbatches = {count} {problem}; use one of {[n for n in range(1, per_rank + 1) if fits(n)]}"
 
 
-def apply_layout(config: RunConfig, layout: Layout) -> None:
-    """Write the resolved batch into `config`: the global batch (the run's config.yaml then holds it, which a
+def apply_layout(config: RunConfig, layout: Layout) -> RunConfig:
+    """`config` with the resolved batch written in: the global batch (the run's config.yaml then holds it, which a
     resume needs) and, under pp, the microbatches."""
-    config.train.grad_accum = None  # first: the schema refuses both forms at once
-    config.train.global_batch_size = layout.global_batch
-    if layout.pp > 1:
-        config.parallel.microbatches = layout.grad_accum
+    parallel = {"microbatches": layout.grad_accum} if layout.pp > 1 else {}
+    return config.updated(train={"grad_accum": None, "global_batch_size": layout.global_batch}, parallel=parallel)
 
 
 # ---- steps -------------------------------------------------------------------------------------------------

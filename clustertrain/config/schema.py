@@ -324,7 +324,7 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
     every: int = Field(100, ge=0, description="Save every N steps (0: only at the end).")
     keep_last: int | None = Field(3, gt=0, description="Keep the newest K checkpoints (empty: keep all).")
@@ -368,6 +368,14 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    def updated(self, **changes: Any) -> RunConfig:
+        """A copy with `changes`: a section's fields as a dict (`train={"steps": 3}`) or a top-level value
+        (`name="x"`). Configs are frozen; this is how a config is derived from another (unvalidated: for values
+        the package computes, not for user input)."""
+        update = {key: getattr(self, key).model_copy(update=value) if isinstance(getattr(self, key), Section) else value
+                  for key, value in changes.items()}
+        return self.model_copy(update=update)
 
     @property
     def walltime_s(self) -> float | None:

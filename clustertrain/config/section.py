@@ -15,10 +15,11 @@ def _takes_bool(annotation: Any) -> bool:
 
 
 class Section(BaseModel):
-    """Base of every section: unknown keys are errors, assignments are validated, and true/false is never taken
-    for a number (pydantic would read `steps: true` as 1)."""
+    """Base of every section: unknown keys are errors, true/false is never taken for a number (pydantic would
+    read `steps: true` as 1), and a validated config is frozen: it is read, never written (RunConfig.updated
+    derives another)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -99,8 +99,7 @@ def submit(config: RunConfig, workdir: Path, source: str) -> tuple[str, Path]:
     active = [j for j, state in job_states(job_ids(read_chain(run_dir))).items() if state in ACTIVE_STATES]
     if active:
         raise LaunchError(f"{run_dir} already has job {active[-1]} queued or running; scancel it or wait for it")
-    config = config.model_copy(deep=True)
-    config.train.resume = "auto"  # every restart continues from the newest checkpoint
+    config = config.updated(train={"resume": "auto"})  # every restart continues from the newest checkpoint
     run = RunDir(run_dir)
     snapshot = run.write(run.slurm_config, dump_config(config))
     script = run.write(run.job_script, render_script(config, [str(snapshot)], workdir, source))

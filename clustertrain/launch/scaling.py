@@ -43,22 +43,18 @@ def scaling_configs(config: RunConfig, counts: list[int], steps: int | None, wor
         ConfigError: listing, for every count that does not fit, why (e.g. a global batch that its ranks do not
             divide).
     """
-    base = config.model_copy(deep=True)
+    base = config
     tasks = job_spec(base.slurm).tasks_per_node
     if steps is not None:
-        base.train.tokens = base.train.epochs = None
-        base.train.steps = steps
+        base = base.updated(train={"tokens": None, "epochs": None, "steps": steps})
     if base.train.grad_accum is not None:  # the batch per rank would grow with the ranks: pin the largest's
         layout = resolve_layout(base, counts[-1] * tasks, tasks)
-        base.train.grad_accum = None
-        base.train.global_batch_size = layout.global_batch
+        base = base.updated(train={"grad_accum": None, "global_batch_size": layout.global_batch})
     run_dir = (workdir / base.run_dir).resolve()
     configs, problems = {}, []
     for nodes in counts:
-        each = base.model_copy(deep=True)
-        each.slurm.nodes = nodes
-        each.name = f"{base.name}-N{nodes}"
-        each.train.run_dir = str(RunDir(run_dir).scaling_run(nodes))
+        each = base.updated(slurm={"nodes": nodes}, name=f"{base.name}-N{nodes}",
+                            train={"run_dir": str(RunDir(run_dir).scaling_run(nodes))})
         problems += [f"{nodes} node(s): {p}" for p in check_world(each, nodes * tasks, tasks)]
         configs[nodes] = each
     if problems:

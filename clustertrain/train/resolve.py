@@ -4,8 +4,8 @@
     run.config.train.global_batch_size, run.layout.dp_shard, run.config.model.path     # every derived value
     clustertrain config show CONFIG --world 8                                        # the same, printed
 
-Derived here: the layout (its global batch, and the pipeline microbatches, written into the config so that
-the run's config.yaml holds them, which a resume needs), the parameter dtype on the device, the model path
+Derived here, in a copy (configs are frozen: RunConfig.updated): the layout (its global batch, and the
+pipeline microbatches, written into the config so that the run's config.yaml holds them, which a resume needs), the parameter dtype on the device, the model path
 made absolute (adapters exported from the run load from anywhere), the tokenizer of a fine-tuned snapshot.
 Only the step count of `train.epochs` needs the data: `with_epoch_steps` adds it once the data is counted.
 """
@@ -45,22 +45,21 @@ def resolve_run(config: RunConfig, world_size: int, local_world_size: int, devic
         ConfigError: every problem of the config on this world, at once.
     """
     layout = resolve_layout(config, world_size, local_world_size, model_shape(config.model, config.data.vocab_size))
-    resolved = config.model_copy(deep=True)
-    apply_layout(resolved, layout)
+    resolved = apply_layout(config, layout)
     if device_type is not None:
-        resolved.parallel.param_dtype = resolve_param_dtype(config.parallel.param_dtype, device_type)
-    if resolved.model.path:
-        resolved.model.path = str(Path(resolved.model.path).resolve())
+        resolved = resolved.updated(parallel={"param_dtype": resolve_param_dtype(config.parallel.param_dtype,
+                                                                                 device_type)})
+    if config.model.path:
+        resolved = resolved.updated(model={"path": str(Path(config.model.path).resolve())})
     snapshot = snapshot_dir(resolved.model)
-    if snapshot is not None and not resolved.data.tokenizer:
-        resolved.data.tokenizer = str(snapshot)  # fine-tuning: the model's own tokenizer
+    if snapshot is not None and not config.data.tokenizer:
+        resolved = resolved.updated(data={"tokenizer": str(snapshot)})  # fine-tuning: the model's own tokenizer
     return ResolvedRun(resolved, layout, snapshot)
 
 
 def with_epoch_steps(config: RunConfig, per_epoch: int) -> RunConfig:
     """`config` with train.steps set to `train.epochs` passes of `per_epoch` steps."""
-    train = config.train.model_copy(update={"steps": max(1, math.floor(config.train.epochs * per_epoch))})
-    return config.model_copy(update={"train": train})
+    return config.updated(train={"steps": max(1, math.floor(config.train.epochs * per_epoch))})
 
 
 def count_epoch(epochs: float, plan: DataPlan, stream_ids: list[int], tokenizer, saved: Path, rank0: bool) -> int:

@@ -35,9 +35,9 @@ from clustertrain.distributed.rank0 import rank0_first
 from clustertrain.distributed.stop import Preempted, StopRequests
 from clustertrain.model.build import block_classes, build_model
 from clustertrain.model.estimate import check_training_memory, count_params, model_flops_per_token, peak_flops
+from clustertrain.model.loss import TokenLoss
 from clustertrain.model.weights import materialize
 from clustertrain.parallel.apply import DTYPES, parallelize
-from clustertrain.model.loss import TokenLoss
 from clustertrain.run_dir import RunDir
 from clustertrain.train.announce import start_lines
 from clustertrain.train.batches import TrainBatches

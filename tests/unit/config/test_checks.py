@@ -67,7 +67,7 @@ def test_a_batch_per_rank_fits_any_world_and_resolves_to_a_global_batch(world):
     config = load_config(None, ["train.micro_batch_size=2", "train.grad_accum=4"])
     layout = resolve_layout(config, world)
     assert (layout.global_batch, layout.micro_batch, layout.grad_accum) == (8 * world, 2, 4)
-    apply_layout(config, layout)
+    config = apply_layout(config, layout)
     assert (config.train.global_batch_size, config.train.grad_accum) == (8 * world, None)  # what a resume needs
 
 
@@ -75,7 +75,7 @@ def test_under_pp_grad_accum_is_the_microbatch_count():
     config = load_config(None, ["parallel.pp=2", "train.micro_batch_size=2", "train.grad_accum=8"])
     layout = resolve_layout(config, 8, shape=ModelShape("llama", 4, 4, 4))
     assert (layout.dp, layout.global_batch, layout.micro_batch, layout.grad_accum) == (4, 64, 2, 8)
-    apply_layout(config, layout)
+    config = apply_layout(config, layout)
     assert config.parallel.microbatches == 8
 
 

@@ -56,9 +56,8 @@ WEIRD = "it's a \"test\"; $(touch pwned) `id` & | > < ${HOME} \\ * ?"
 
 def test_values_with_spaces_and_metacharacters_stay_literal(tmp_path):
     config = load_config(None, [*FIXED, f"slurm.job_name={WEIRD}"])
-    config.slurm.env = {"WEIRD": WEIRD, "PLAIN": "a b", "REF": "${HOME}/x y"}
-    config.slurm.modules = ["cray-python/3.11 extra"]
-    config.slurm.sbatch = {"comment": WEIRD}
+    config = config.updated(slurm={"env": {"WEIRD": WEIRD, "PLAIN": "a b", "REF": "${HOME}/x y"},
+                                   "modules": ["cray-python/3.11 extra"], "sbatch": {"comment": WEIRD}})
     script = render_script(config, [str(tmp_path / "my config.yaml"), "--set=optim.lr=1e-3; rm -rf /"],
                            tmp_path, "x")
     exports = [line for line in script.splitlines() if line.startswith("export ")]

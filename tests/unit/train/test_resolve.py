@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch.distributed as dist
 from helpers import TINY, write_tiny_repo
+
+from pydantic import ValidationError
 
 from clustertrain.cli import main
 from clustertrain.config.load import dump_config
@@ -35,6 +38,8 @@ def test_a_fine_tuning_run_is_resolved_and_built_for_16_ranks_without_a_process_
     assert resolved.model.path == os.path.join(tmp_path, "model") == str(run.snapshot)
     assert resolved.data.tokenizer == str(run.snapshot)  # fine-tuning reads the model's own tokenizer
     assert resolved.parallel.param_dtype == "float32"  # auto, on a CPU
+    with pytest.raises(ValidationError, match="frozen"):  # read, never written: every component sees the same
+        resolved.train.steps = 4
 
     built = build_model(resolved.model, resolved.lora, None, resolved.data.vocab_size,
                         param_dtype=DTYPES[resolved.parallel.param_dtype], device="cuda",
