@@ -18,7 +18,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 
 from clustertrain.errors import UserError
@@ -42,7 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the command line and run the command; returns the exit code."""
+    """Parse the command line (`argv`, else this process's own) and run the command; returns the exit code."""
+    code = _main(argv)
+    if argv is None:  # the process's own command: its exit code is decided
+        keep_exit_code(code)
+    return code
+
+
+def keep_exit_code(code: int) -> None:
+    """The command has ended and cleaned up with `code`: a SIGTERM until the process is gone ends it at once with
+    `code`, not 143. A launcher ends the other ranks once one has exited (srun --kill-on-bad-exit, torchrun), and
+    a rank still unwinding the interpreter then turned the job's exit code (and Slurm's state) into a kill."""
+
+    def exit_now(signum: int, frame: object) -> None:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+    signal.signal(signal.SIGTERM, exit_now)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):

@@ -13,11 +13,13 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from clustertrain.distributed.failures import RankFailure
 from clustertrain.files import write_atomic
 from clustertrain.run_dir import RunDir
+
+if TYPE_CHECKING:  # the Slurm job's own steps read status.json: no torch import for them
+    from clustertrain.distributed.failures import RankFailure
 
 STATUS_FILE = RunDir(Path()).status.name  # the file's name alone, as a run directory's listing shows it
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -74,3 +76,12 @@ def test_status_shows_the_files_own_text_as_it_is(tmp_path, capsys):
     assert "node[01-02]" in out and "failed" in out
     assert "progress step 4/10 (40%), loss 2.5000\n" in out
     assert f"log tail -f {tmp_path / 'slurm' / '7.out'}\n" in out
+
+
+def test_the_job_steps_of_a_slurm_script_import_no_torch():
+    """job-start and job-end run in every job, around the ranks: importing torch would add seconds to each, and
+    to the moment Slurm marks the job ended after job-end has recorded it."""
+    code = ("import sys; from clustertrain.cli import slurm_cmd; from clustertrain.launch import jobs; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
