@@ -7,7 +7,7 @@
 Derived here, in a copy (configs are frozen: RunConfig.updated): the layout (its global batch, and the
 pipeline microbatches, written into the config so that the run's config.yaml holds them, which a resume needs), the parameter dtype on the device, the model path
 made absolute (adapters exported from the run load from anywhere), the tokenizer of a fine-tuned snapshot.
-Only the step count of `train.epochs` needs the data: `with_epoch_steps` adds it once the data is counted.
+Only the step count of `train.epochs` needs the data: `resolve_epochs` adds it once the data is counted.
 """
 
 from __future__ import annotations
@@ -57,9 +57,14 @@ def resolve_run(config: RunConfig, world_size: int, local_world_size: int, devic
     return ResolvedRun(resolved, layout, snapshot)
 
 
-def with_epoch_steps(config: RunConfig, per_epoch: int) -> RunConfig:
-    """`config` with train.steps set to `train.epochs` passes of `per_epoch` steps."""
-    return config.updated(train={"steps": max(1, math.floor(config.train.epochs * per_epoch))})
+def resolve_epochs(config: RunConfig, plan: DataPlan, stream_ids: list[int], tokenizer, saved: Path, rank0: bool
+                   ) -> tuple[RunConfig, int | None]:
+    """With train.epochs: `config` with train.steps set to that many passes over the training data, and the steps
+    of one (count_epoch; every rank calls). Without: `config` as it is, and None."""
+    if config.train.epochs is None:
+        return config, None
+    per_epoch = count_epoch(config.train.epochs, plan, stream_ids, tokenizer, saved, rank0)
+    return config.updated(train={"steps": max(1, math.floor(config.train.epochs * per_epoch))}), per_epoch
 
 
 def count_epoch(epochs: float, plan: DataPlan, stream_ids: list[int], tokenizer, saved: Path, rank0: bool) -> int:

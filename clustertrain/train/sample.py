@@ -94,3 +94,20 @@ def sample_or_warn(sample: Callable[[], str], log: Callable[[str], None], run_di
         log(f"warning: the end-of-run sample failed ({type(e).__name__}: {str(e)[:200]}); the checkpoint is "
             f"complete, and `clustertrain generate {run_dir}` samples from it")
         return None
+
+
+def end_of_run_sample(runner: Runner, together: bool, rank0: bool, tokenizer, plan: DataPlan, prompt: str | None,
+                      max_new_tokens: int, finished: bool, device: torch.device, log: Callable[[str], None],
+                      run_dir: Path) -> str | None:
+    """What a run ends with when `train.sample_tokens` (`max_new_tokens`) asks for a sample: one, if it
+    `finished` its budget and has a tokenizer; under pipelines a line saying where to sample instead."""
+    if not max_new_tokens:
+        return None
+    if runner.model is None:
+        log(f"train.sample_tokens: no end-of-run sample under parallel.pp > 1; `clustertrain generate {run_dir}` "
+            "samples from the checkpoint")
+        return None
+    if not finished or tokenizer is None:
+        return None
+    return sample_or_warn(lambda: sample_text(runner, together, rank0, tokenizer, plan, prompt, max_new_tokens,
+                                              device), log, run_dir)

@@ -47,8 +47,8 @@ from clustertrain.train.memory import PeakMemory
 from clustertrain.train.metrics import MetricsLogger, Throughput, read_jsonl
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.profile import StepProfiler
-from clustertrain.train.resolve import count_epoch, resolve_run, with_epoch_steps
-from clustertrain.train.sample import sample_or_warn, sample_text
+from clustertrain.train.resolve import resolve_epochs, resolve_run
+from clustertrain.train.sample import end_of_run_sample
 from clustertrain.train.status import record_failure, write_status
 from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, train_step
 
@@ -102,11 +102,9 @@ class Trainer:
             cfg.data, self.tokenizer, cfg.train.global_batch_size, cfg.data_seed, cache_root(cfg.data)
         ))  # rank 0 first: it writes the source indexes the others then read
         self.loader = self._loader("train")
-        self.epoch_steps = None
-        if cfg.train.epochs is not None:
-            self.epoch_steps = count_epoch(cfg.train.epochs, self.plan, self.loader.stream_ids, self.tokenizer,
-                                           self.files.epoch_count, self.rank0)
-            self.config = cfg = with_epoch_steps(cfg, self.epoch_steps)
+        cfg, self.epoch_steps = resolve_epochs(cfg, self.plan, self.loader.stream_ids, self.tokenizer,
+                                               self.files.epoch_count, self.rank0)
+        self.config = cfg
         self.total_steps, self.tokens_per_step = total_steps(cfg), cfg.tokens_per_step
         meta = self._build_model()
         self.checkpoints = CheckpointManager(
@@ -257,13 +255,9 @@ class Trainer:
         summary.steps, summary.checkpoint = self.step, self.checkpoints.last
         if self.batches.audit:
             self.batches.audit.close()
-        if self.runner.model is None and cfg.sample_tokens:
-            self.logger.info("train.sample_tokens: no end-of-run sample under parallel.pp > 1; `clustertrain "
-                             f"generate {self.run_dir}` samples from the checkpoint")
-        elif self.step >= self.total_steps and cfg.sample_tokens and self.tokenizer is not None:
-            summary.sample = sample_or_warn(lambda: sample_text(
-                self.runner, self.layout.wrapper == "fsdp", self.rank0, self.tokenizer, self.plan, cfg.sample_prompt,
-                cfg.sample_tokens, self.device), self.logger.info, self.run_dir)
+        summary.sample = end_of_run_sample(self.runner, self.layout.wrapper == "fsdp", self.rank0, self.tokenizer,
+                                           self.plan, cfg.sample_prompt, cfg.sample_tokens,
+                                           self.step >= self.total_steps, self.device, self.logger.info, self.run_dir)
         self.logger.close()  # flushes metrics.jsonl
         if self.rank0:
             curve = [r for r in read_jsonl(self.files.metrics) if r.get("loss") is not None]
