@@ -203,7 +203,7 @@ class Trainer:
         if self.rank0:
             for line in start_lines(self, resumed):
                 self.logger.info(line)
-            self.files.write(self.files.config, dump_config(cfg))  # for `clustertrain data audit` and for people
+            self.files.write(self.files.config, self.checkpoints.extras.config_yaml)  # for `data audit`, for people
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
         self._status("running")
         self.logger.log(self.step, {"load_mem_gb": self.load_mem_gb})
