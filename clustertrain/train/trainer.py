@@ -333,6 +333,8 @@ class Trainer:
         # group, whose destructor then joins gloo's threads while holding the GIL they wait for (a hang at exit).
         for name in ("runner", "optimizer"):
             self.__dict__.pop(name, None)
+        if getattr(self, "checkpoints", None):
+            self.checkpoints.tracked = None  # it holds the model too
         gc.collect()
         close_distributed()
         if self.lock:  # last: the files above are closed; a refused start leaves no directory it made
