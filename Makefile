@@ -5,13 +5,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The venv sees the site-packages of $(PYTHON)'s own installation; where $(PYTHON) is itself in a venv (a node's
+# torch is often installed in one), a .pth file adds that venv's site-packages too, after the new venv's own.
+MAKE_VENV = test -x $(PY) || { $(PYTHON) -m venv --system-site-packages $(VENV) && $(PYTHON) -c "import site, sys; \
+	print('\n'.join(site.getsitepackages()) if sys.prefix != sys.base_prefix else '')" > "$$($(PY) -c \
+	'import sysconfig; print(sysconfig.get_path("purelib"))')/outer-venv.pth"; }
 
 .PHONY: install demo test test-fast mutants test-oldest test-gpu wheelhouse bench clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(MAKE_VENV)
 	$(PY) -m clustertrain.torch_check
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
@@ -65,7 +70,7 @@ GPU_PYTEST = $$($(PY) -c "import torch; print('-n $(GPU_WORKERS) --dist loadfile
 	if torch.cuda.is_available() else '')")
 
 test-gpu:
-	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(MAKE_VENV)
 	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then :; \
 	elif $(PY) -m pip index versions pip --retries 0 --timeout 10 >/dev/null 2>&1; then \
 		$(MAKE) --no-print-directory install; \
@@ -90,7 +95,7 @@ RESOLVE := $(WHEELHOUSE)/.resolve
 STAND_IN := torch-$(TORCH_VERSION)+node
 
 wheelhouse:
-	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(MAKE_VENV)
 	rm -rf $(WHEELHOUSE) && mkdir -p $(RESOLVE)
 	$(PY) -m pip wheel --quiet --no-deps --wheel-dir $(RESOLVE) .
 	$(PY) -c "import sys, zipfile; info = '$(STAND_IN).dist-info/'; z = zipfile.ZipFile(sys.argv[1], 'w'); \

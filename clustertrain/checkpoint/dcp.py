@@ -104,7 +104,22 @@ def pinned_staging() -> dict[str, Any]:
         # synchronous staging: the copies are done when async_save returns, so the optimizer may step again
         options = StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
                                  use_non_blocking_copy=True)
-        return {"async_stager": DefaultStager(options)}
+
+        class KeptStager(DefaultStager):
+            """One stager for the run: its pinned buffers are what later saves reuse. Some torch versions close a
+            stager after each save (async_save, or 2.11's synchronous stage, which closes its inner copier:
+            the next save then failed with KeyError: <class 'type'>, seen on an H100); here nothing does."""
+
+            def __init__(self, options: StagingOptions) -> None:
+                super().__init__(options)
+                inner = getattr(self, "_state_dict_stager", None)
+                if inner is not None:
+                    inner.close = lambda: None
+
+            def close(self) -> None:
+                pass
+
+        return {"async_stager": KeptStager(options)}
     # async_save points the writer at each save's own folder (its checkpoint_id)
     return {"storage_writer": dcp.FileSystemWriter(".", cache_staged_state_dict=True)}
 

@@ -272,6 +272,8 @@ def _remedy(error: BaseException, root: Path) -> str:
         return f"make {root} writable"
     if code in (errno.ENOTDIR, errno.EEXIST, errno.EISDIR) or (root.exists() and not root.is_dir()):
         return f"move away what is in the way ({root} must be a folder of checkpoints)"
-    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, None):
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or (code is None and isinstance(error, OSError)):
         return "free space"
+    if not isinstance(error, OSError):  # not the file system's: a bug in saving, which space will not fix
+        return "report this error (it is not the disk's)"
     return "fix what the error names"
