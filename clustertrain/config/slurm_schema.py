@@ -80,8 +80,8 @@ def control_character(value: str) -> str | None:
 
 class SlurmConfig(Section):
     preset: str = Field(
-        "generic", description="Cluster preset: frontier, perlmutter, generic, or the path of your own preset YAML "
-        "(modules, environment, GPUs per node, scratch root; see docs/slurm.md)."
+        "generic", description="Cluster preset: frontier, perlmutter, h100, a100, generic, or the path of your own "
+        "preset YAML (modules, environment, GPUs per node, scratch root; see docs/slurm.md)."
     )
     account: str | None = Field(None, description="Allocation to charge (--account).")
     partition: str | None = Field(None, description="Partition (--partition); default: the preset's.")

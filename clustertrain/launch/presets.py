@@ -1,12 +1,15 @@
 """Cluster presets: what a site needs in every job script (modules, network variables, GPUs per node, scratch).
 
 The built-in presets are YAML files beside this module; a user's own preset is a file of the same form,
-named by path in `slurm.preset`. Each preset lists the documents its values come from.
+named by path in `slurm.preset`. Each preset lists the documents its values come from. A preset may also
+describe its accelerators (`hardware:`: memory, peak TFLOPS, interconnect bandwidth), the numbers
+`clustertrain plan` estimates memory and step time from; the YAML files are the one place they are kept.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -15,6 +18,37 @@ from clustertrain.config.load import load_yaml, read_utf8
 from clustertrain.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
+
+
+class Hardware(BaseModel):
+    """One accelerator of the cluster's nodes: one torch device, which is one rank (an MI250X GCD, not the MI250X).
+
+    Vendors' peak figures, not measurements: a planner scales them by its own efficiency factors.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(
+        min_length=1, description='What one device is, e.g. "AMD MI250X GCD" or "NVIDIA H100 SXM5 80GB".'
+    )
+    device_type: Literal["cuda", "cpu"] = Field(
+        "cuda", description='torch\'s device type for it ("cuda" on NVIDIA and on ROCm builds alike).'
+    )
+    memory_gb: float = Field(gt=0, description="Device memory in decimal GB (10^9 bytes), as the vendor states it.")
+    peak_tflops: dict[Literal["bfloat16", "float16", "float32"], Annotated[float, Field(gt=0)]] = Field(
+        min_length=1,
+        description="Dense peak TFLOPS per device by torch dtype name, without sparsity; float32 is the "
+        "matrix/tensor-core figure (TF32 on NVIDIA) where the device has one.",
+    )
+    intra_node_gbps: float = Field(
+        gt=0, description="GB/s per direction one device can send to the other devices of its node in a ring "
+        "collective (its slowest link in the ring).",
+    )
+    inter_node_gbps: float = Field(
+        gt=0, description="GB/s per direction per device across nodes: the node's injection bandwidth divided by "
+        "its devices.",
+    )
+    sources: list[str] = Field(min_length=1, description="URLs or document names the numbers come from.")
 
 
 class Preset(BaseModel):
@@ -40,6 +74,10 @@ class Preset(BaseModel):
     scratch: str | None = Field(None, description="Root for the HF and clustertrain caches on the nodes.")
     env: dict[str, str] = Field(default_factory=dict)
     setup: list[str] = Field(default_factory=list)
+    hardware: Hardware | None = Field(
+        None, description="The nodes' accelerators, for `clustertrain plan` (job scripts do not use it); "
+        "unset: unknown.",
+    )
 
 
 def builtin_presets() -> list[str]:

@@ -25,7 +25,7 @@ def render(*overrides: str, preset: str = "generic") -> str:
     return render_script(config, ["/work/project/configs/llama.yaml"], Path("/work/project"), "configs/llama.yaml")
 
 
-@pytest.mark.parametrize("preset", ["frontier", "perlmutter", "generic"])
+@pytest.mark.parametrize("preset", ["frontier", "perlmutter", "generic", "h100", "a100"])
 @pytest.mark.parametrize("launcher", ["srun", "torchrun"])
 def test_rendered_script_matches_golden_file(preset, launcher):
     script = render(f"slurm.launcher={launcher}", preset=preset)
@@ -37,7 +37,7 @@ def test_rendered_script_matches_golden_file(preset, launcher):
 
 
 def test_every_builtin_preset_is_golden_tested():
-    assert builtin_presets() == ["frontier", "generic", "perlmutter"]
+    assert builtin_presets() == ["a100", "frontier", "generic", "h100", "perlmutter"]
     for name in builtin_presets():
         assert load_preset(name).sources, f"preset {name} must say where its values come from"
 

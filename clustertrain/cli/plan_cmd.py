@@ -1,0 +1,86 @@
+"""`clustertrain plan CONFIG`: memory per rank, step time and communication of a layout, before submitting it.
+
+    clustertrain plan configs/frontier-llama3-8b.yaml --nodes 64                 # the preset of its slurm section
+    clustertrain plan configs/frontier-llama3-8b.yaml --nodes 640 --set parallel.tp=8 --json
+    clustertrain plan configs/tiny-llama.yaml --world 4 --preset h100 --device-memory 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "plan", help="memory per rank, step time and communication of the config's layout at any world size, "
+        "computed on this CPU (a fake process group; no GPU, no cluster)")
+    parser.add_argument("config", nargs="?", help="YAML or TOML config; omit for the embedded default")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--world", type=int, metavar="N", help="ranks in all (default: the config's slurm.nodes)")
+    size.add_argument("--nodes", type=int, metavar="N", help="nodes, each with --gpus-per-node ranks")
+    parser.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (default: the preset's)")
+    parser.add_argument("--preset", metavar="NAME", help="the hardware: a preset with a hardware section "
+                        "(frontier, perlmutter, h100, a100, or a file; default: the config's slurm.preset)")
+    parser.add_argument("--device-memory", type=float, metavar="GB", help="device memory per rank, GB")
+    parser.add_argument("--peak-tflops", type=float, metavar="T", help="the device's peak at the compute dtype")
+    parser.add_argument("--efficiency", type=float, default=0.5, metavar="F",
+                        help="fraction of peak FLOP/s the matmuls reach (default 0.5)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. parallel.tp=8")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
+    parser.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from clustertrain.model.spec import load_checked_config
+    from clustertrain.plan.plan import make_plan
+    from clustertrain.plan.target import target_for
+    from clustertrain.train.resolve import resolve_run
+
+    config = load_checked_config(args.config, args.set)
+    target = target_for(config, args)
+    run = resolve_run(target.config, target.world, target.device.per_node, target.device_type)
+    plan = make_plan(run.config, run.layout, target.device.per_node, target.device)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=1))
+    else:
+        print(f"plan: {args.config or 'the default config'} on {target.where}")
+        print(plan_table(plan))
+    return 0 if plan.fits else 1
+
+
+def _gb(n: float | None) -> str:
+    return "—" if n is None else f"{n / 1e9:,.2f} GB"
+
+
+def plan_table(plan) -> str:
+    """The plan for people: the layout, memory per stage by component, then the step's time by part."""
+    config, layout, device = plan.config, plan.layout, plan.device
+    lines = [f"layout: {layout.describe(config.data.seq_len)}",
+             f"device: {device.name}, {_gb(device.memory_bytes)}, "
+             + (f"{device.peak_flops / 1e12:,.1f} TFLOP/s peak" if device.peak_flops else "peak unknown"),
+             "", f"{'memory per rank':<44}" + "".join(f"{'stage ' + str(i):>12}" for i in range(len(plan.stages)))]
+    rows = [("parameters", "params"), ("gradients", "grads"), ("optimizer states (AdamW)", "optimizer"),
+            ("DDP buckets", "buckets"), ("step: activations, gathered weights, temps", "step_peak"),
+            ("  of which kept for the backward", "activations"), ("peak", "peak")]
+    for label, key in rows:
+        lines.append(f"  {label:<42}" + "".join(f"{_gb(getattr(s, key)):>12}" for s in plan.stages))
+    headroom = plan.headroom_bytes
+    if headroom is not None:
+        lines.append(f"  {'headroom (10% of the device kept free)':<42}{_gb(headroom):>12}"
+                     + ("" if plan.fits else "   DOES NOT FIT"))
+    lines.append(f"  checkpoint: {_gb(plan.stages[0].checkpoint)} per rank, {_gb(plan.checkpoint_total_bytes)} in all")
+    lines += ["", "step"]
+    lines.append("  compute                  " + (f"{plan.compute_s:.3f} s at {device.efficiency:.0%} of peak"
+                                                  if plan.compute_s is not None else "— (no peak FLOP/s)"))
+    if plan.bubble:
+        lines.append(f"  pipeline bubble          {plan.bubble:.0%} of the step")
+    for dim, nbytes in plan.traffic.bytes.items():
+        seconds = plan.comm_s[dim]
+        where = "inside a node" if plan.traffic.inside_node[dim] else "across nodes"
+        lines.append(f"  {dim:<24} {_gb(nbytes)} sent, " + (f"{seconds:.3f} s" if seconds is not None else "—")
+                     + f" {where} ({plan.traffic.what[dim]})")
+    if plan.step_s is not None:
+        lines.append(f"  step time                {plan.step_s:.3f} s: {plan.tokens_per_s:,.0f} tokens/s, "
+                     f"MFU {plan.mfu:.1%}")
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""A run's plan: memory per rank by component, the step's time by part, and the communication per mesh dimension,
+for any world size, computed on this CPU.
+
+    device = device_from(load_preset("frontier").hardware, per_node=8, dtype="bfloat16")
+    plan = make_plan(config, world_size=5120, per_node=8, device=device)
+    print(plan.table()); json.dumps(plan.to_json())
+
+Memory comes from building and stepping one rank of each pipeline stage under a fake process group
+(`plan.fake`); time from `plan.cost`'s model of the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from clustertrain.config.checks import Layout
+from clustertrain.config.schema import RunConfig
+from clustertrain.plan.cost import Device, Traffic, bubble, recompute_factor, traffic
+from clustertrain.plan.fake import RankBytes, fake_world, measure_rank
+
+GB = 1e9
+MEMORY_MARGIN = 0.1  # of the device's memory, left to the allocator's fragmentation and the runtime's own
+
+
+@dataclass
+class Plan:
+    """What `make_plan` found; every figure is per rank unless its name says otherwise."""
+
+    config: RunConfig
+    layout: Layout
+    per_node: int
+    device: Device
+    stages: list[RankBytes]  # one rank of each pipeline stage (its first data-parallel and tp rank)
+    traffic: Traffic
+    compute_s: float | None
+    bubble: float
+    comm_s: dict[str, float | None]
+    tokens_per_step: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(stage.peak for stage in self.stages)
+
+    @property
+    def headroom_bytes(self) -> float | None:
+        """Device memory left at the peak, after the margin; negative: it does not fit."""
+        if self.device.memory_bytes is None:
+            return None
+        return self.device.memory_bytes * (1 - MEMORY_MARGIN) - self.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_bytes is None or self.headroom_bytes >= 0
+
+    @property
+    def step_s(self) -> float | None:
+        """Compute (with the pipeline's idle share), the data-parallel traffic beyond it, tp and pp traffic."""
+        if self.compute_s is None or any(v is None for v in self.comm_s.values()):
+            return None
+        busy = self.compute_s / (1 - self.bubble)
+        dp = sum(s for dim, s in self.comm_s.items() if dim.startswith("dp"))
+        return max(busy, dp) + sum(s for dim, s in self.comm_s.items() if not dim.startswith("dp"))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens_per_step / self.step_s if self.step_s else None
+
+    @property
+    def mfu(self) -> float | None:
+        if not self.step_s or not self.device.peak_flops:
+            return None
+        model_flops = self.stages[0].flops_per_token * self.tokens_per_step / self.layout.world_size
+        return model_flops / (self.step_s * self.device.peak_flops)
+
+    def to_json(self) -> dict:
+        """Every figure, in bytes, seconds and FLOPs (for scripts: `clustertrain plan --json`)."""
+        layout = asdict(self.layout)
+        return {
+            "layout": layout, "per_node": self.per_node, "device": asdict(self.device),
+            "stages": [{**asdict(stage), "peak": stage.peak} for stage in self.stages],
+            "peak_bytes": self.peak_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
+            "checkpoint_total_bytes": self.checkpoint_total_bytes,
+            "comm_bytes": self.traffic.bytes, "comm_what": self.traffic.what,
+            "comm_inside_node": self.traffic.inside_node, "comm_s": self.comm_s,
+            "compute_s": self.compute_s, "bubble": self.bubble, "step_s": self.step_s,
+            "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+        }
+
+    @property
+    def checkpoint_total_bytes(self) -> int:
+        """All ranks' checkpoint shards: each stage's data-parallel and tp ranks write alike (the first of
+        each is the largest under uneven shards, so this is an upper bound)."""
+        return sum(stage.checkpoint for stage in self.stages) * (self.layout.world_size // self.layout.pp)
+
+
+def make_plan(config: RunConfig, layout: Layout, per_node: int, device: Device) -> Plan:
+    """Plan `config` (resolved for `layout`'s world: resolve_run) on `device`, `per_node` ranks per node."""
+    ranks_per_stage = layout.world_size // layout.pp
+    stages = []
+    for stage in range(layout.pp):
+        with fake_world(layout.world_size, stage * ranks_per_stage):
+            stages.append(measure_rank(config, layout))
+    first = stages[0]
+    itemsize = 2 if config.parallel.param_dtype in ("bfloat16", "float16") else 4
+    sent = traffic(config, layout, first.params, first.trainable, itemsize, first.hidden, first.layers, per_node)
+    tokens = layout.global_batch * config.data.seq_len
+    compute_s = None
+    if device.peak_flops:
+        flops = first.flops_per_token * tokens / layout.world_size * recompute_factor(config)
+        compute_s = flops / (device.peak_flops * device.efficiency)
+    return Plan(config, layout, per_node, device, stages, sent, compute_s, bubble(config, layout),
+                {dim: sent.seconds(dim, device) for dim in sent.bytes}, tokens)
