@@ -33,7 +33,10 @@ kernels, compile, clipping, data path).
 
 Reported per workload: median tokens/s over the steps after --warmup, MFU (`clustertrain.model.estimate`:
 6N + 12LHQT FLOPs per token over the device's peak; a CPU's peak is measured), peak memory
-(`torch.cuda.max_memory_allocated`, or the process's peak RSS on CPU) and clustertrain / each reference row.
+(`torch.cuda.max_memory_allocated`, or the process's peak RSS on CPU) and clustertrain / each reference row; then
+one line with `clustertrain plan`'s prediction for the clustertrain runner's config (made in this process, on
+the CPU: one rank, the h100 or a100 preset by the GPU's name with its memory and datasheet peak, efficiency 0.5;
+on a CPU its measured peak) beside what that runner measured: peak memory, step time, tokens/s, plan/measured.
 Without a GPU the full shapes refuse to start (exit 2); --tiny runs anywhere.
 """
 
@@ -278,6 +281,9 @@ def run_one(args: argparse.Namespace) -> int:
         else:
             result = run_reference(cfg, args.steps, args.compile, args.runner.removeprefix("reference-"))
     result["dtype"] = dtype
+    if torch.cuda.is_available():  # for the plan, which the parent makes without touching the GPU
+        result["device_name"] = torch.cuda.get_device_name(0)
+        result["device_memory_gb"] = torch.cuda.get_device_properties(0).total_memory / 1e9
     Path(args.result).write_text(json.dumps(result))
     return 0
 
@@ -354,6 +360,87 @@ def print_table(w: Workload, rows: dict[str, dict | None], device: str, dtype: s
     sys.stdout.flush()
 
 
+# ---- the plan beside the measurement ----------------------------------------------------------------------
+def gpu_of(results: list[dict]) -> dict | None:
+    """The GPU the runners ran on ({"name", "memory_gb"}), None on the CPU. From a runner's result, so that this
+    process never starts CUDA (a context here would hold GPU memory through the next runners); asked here only
+    when no runner came back."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    for result in results:
+        if "device_name" in result:
+            return {"name": result["device_name"], "memory_gb": result["device_memory_gb"]}
+    return {"name": torch.cuda.get_device_name(0), "memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9}
+
+
+def make_workload_plan(w: Workload, gpu: dict | None, args: argparse.Namespace):
+    """`clustertrain plan` of the config the clustertrain runner trains, for one rank: on a GPU, the preset of
+    its kind (h100, a100) with its memory and datasheet peak (model.estimate); on the CPU, this CPU's measured
+    peak. Made in this process, which has no process group (the plan makes a fake one)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from clustertrain.model.estimate import peak_flops_for_name
+    from clustertrain.model.spec import load_checked_config
+    from clustertrain.plan.plan import make_plan
+    from clustertrain.plan.target import target_for
+    from clustertrain.train.resolve import resolve_run
+
+    dtype = "bfloat16" if gpu else "float32"  # as run_one
+    preset = memory_gb = tflops = None
+    if gpu:
+        name = gpu["name"].upper()
+        preset = "h100" if "H100" in name else "a100" if "A100" in name else None
+        memory_gb = gpu["memory_gb"]
+        peak = peak_flops_for_name(gpu["name"], torch.bfloat16)
+        tflops = peak / 1e12 if peak else None
+    with tempfile.TemporaryDirectory(prefix="clustertrain-bench-gpu-") as run_dir, \
+            contextlib.redirect_stdout(sys.stderr):  # whatever it says stays out of the tables
+        config = load_checked_config(None, overrides(w, dtype, args.steps, args.compile, run_dir, args.overrides))
+        target = target_for(config, SimpleNamespace(world=1, nodes=None, gpus_per_node=1, preset=preset,
+                                                    device_memory=memory_gb, peak_tflops=tflops, efficiency=0.5))
+        run = resolve_run(target.config, target.world, target.device.per_node, "cuda" if gpu else "cpu")
+        return make_plan(run.config, run.layout, target.device.per_node, target.device)
+
+
+def _figure(x: float) -> str:
+    return f"{x:,.2f}" if x >= 1 else f"{x:.3g}"
+
+
+def _versus(planned: float | None, measured: float | None, unit: str) -> str:
+    text = (f"{_figure(planned)}{unit}" if planned is not None else "?") + " vs " + \
+        (f"{_figure(measured)}{unit}" if measured is not None else "?")
+    return text + (f" ({planned / measured:.2f})" if planned is not None and measured else "")
+
+
+def plan_line(plan, row: dict | None, w: Workload, gpu: dict | None) -> str:
+    """The plan's peak memory, step time and tokens/s beside the clustertrain runner's; the ratios plan/measured."""
+    measured_mem = row["mem_gb"] if row else None
+    measured_tps = row["tokens_per_s"] if row else None
+    measured_step = w.batch * w.seq_len / measured_tps if measured_tps else None
+    tps = (f"{plan.tokens_per_s:,.0f}" if plan.tokens_per_s else "?") + " vs " + \
+        (f"{measured_tps:,.0f}" if measured_tps else "?")
+    line = (f"plan vs measured (clustertrain): peak memory {_versus(plan.peak_bytes / 1e9, measured_mem, ' GB')}, "
+            f"step time {_versus(plan.step_s, measured_step, ' s')}, tokens/s {tps}")
+    if gpu is None:
+        line += " (CPU: measured is the process's peak RSS, which includes ~0.5 GB of libraries)"
+    return line
+
+
+def print_plan(w: Workload, rows: dict[str, dict | None], results: list[dict], args: argparse.Namespace) -> None:
+    """One line after the workload's table; a plan that fails says so in one line and changes nothing else."""
+    try:
+        gpu = gpu_of(results)
+        line = plan_line(make_workload_plan(w, gpu, args), rows.get("clustertrain"), w, gpu)
+    except Exception as error:  # noqa: BLE001 - the benchmark's result does not depend on the plan
+        line = " ".join(f"plan failed: {type(error).__name__}: {error}".split())  # one line
+        line = line if len(line) <= 300 else line[:299] + "…"
+    print(line, flush=True)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="clustertrain against a hand-written HF + PyTorch loop on one GPU")
     p.add_argument("--workload", choices=["pretrain", "lora", "both"], default="both")
@@ -392,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     with tempfile.TemporaryDirectory(prefix="clustertrain-bench-gpu-") as tmp:
         for name in names:
-            rows, device, dtype, peak = {}, "?", "?", None
+            rows, device, dtype, peak, results = {}, "?", "?", None, []
             for runner in RUNNERS:
                 print(f"{name}: running {runner} ...", flush=True)
                 result, error = child(args, name, runner, Path(tmp) / f"{name}-{runner}.json")
@@ -401,10 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                     failed = True
                     rows[runner] = None
                     continue
+                results.append(result)
                 device, dtype = result["device"], result["dtype"]
                 peak = peak or result["peak_flops"]
                 rows[runner] = summarize(result, args.warmup, peak)
-            print_table(shape(WORKLOADS[name], args.tiny), rows, device, dtype, args)
+            w = shape(WORKLOADS[name], args.tiny)
+            print_table(w, rows, device, dtype, args)
+            print_plan(w, rows, results, args)
     return 1 if failed else 0
 
 

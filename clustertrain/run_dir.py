@@ -60,6 +60,10 @@ class RunDir:
         return self.root / "epoch_count.json"
 
     @property
+    def plan(self) -> Path:  # train/plan_check.py (rank 0), with metrics.plan: the plan, then what the run measured
+        return self.root / "plan.json"
+
+    @property
     def checkpoints(self) -> Path:  # checkpoint/ (every rank writes, rank 0 publishes): step-N/ folders
         return self.root / "checkpoints"
 

@@ -37,6 +37,7 @@ TINY = [
     "metrics.log_every=1",
     "metrics.progress=lines",
     "data.num_workers=0",  # worker processes are tested in tests/unit/data; here they would only cost time
+    "metrics.plan=false",  # planned in tests/distributed/test_plan.py; elsewhere it would only cost time
 ]
 
 

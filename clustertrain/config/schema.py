@@ -355,6 +355,8 @@ class MetricsConfig(Section):
     peak_flops: float | None = Field(
         None, gt=0, description="Peak FLOP/s per device for MFU; default: known GPUs from a table, CPUs measured."
     )
+    plan: bool = Field(True, description="Plan the run at its start (`clustertrain plan`: memory per rank, step "
+                       "time) into <run_dir>/plan.json, and print the plan beside what the run measured at its end.")
 
 
 class RunConfig(Section):

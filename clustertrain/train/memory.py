@@ -45,6 +45,17 @@ class PeakMemory:
         return peaks
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (0 where /proc is not there)."""
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def _peak_rss_bytes() -> int:
     try:
         for line in _STATUS.read_text().splitlines():

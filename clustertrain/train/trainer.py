@@ -43,8 +43,9 @@ from clustertrain.train.announce import start_lines
 from clustertrain.train.batches import TrainBatches
 from clustertrain.train.evaluate import evaluate
 from clustertrain.train.lock import RunLock, lock_run_dir
-from clustertrain.train.memory import PeakMemory
+from clustertrain.train.memory import PeakMemory, resident_bytes
 from clustertrain.train.metrics import MetricsLogger, Throughput, read_jsonl
+from clustertrain.train.plan_check import StateBytes, compare, plan_run
 from clustertrain.train.optim import build_optimizer, lr_at
 from clustertrain.train.profile import StepProfiler
 from clustertrain.train.resolve import resolve_epochs, resolve_run
@@ -82,6 +83,7 @@ class Trainer:
         self.tokens_seen = 0
         self.stop: StopRequests | None = None  # run() listens from the start; start() at the latest
         self.lock: RunLock | None = None  # rank 0's hold on the run directory, from build() to close()
+        self.planned: dict | None = None  # rank 0's plan of the run (metrics.plan)
         self.started = False  # start() began: from here on a failure is recorded in status.json
 
     # ---- build -------------------------------------------------------------------------------
@@ -92,6 +94,9 @@ class Trainer:
                           device_type(self.config.parallel))
         self.config, self.layout, self.snapshot = run.config, run.layout, run.snapshot
         cfg, layout = self.config, self.layout
+        if cfg.metrics.plan and self.info.rank == 0:  # a fake process group first: before the real one
+            self.planned = plan_run(cfg, layout.world_size, self.info.local_world_size,
+                                    device_type(cfg.parallel), self.files)
         self.device = init_distributed(cfg.parallel, self.info, self.run_dir)
         self.rank0 = dist.get_rank() == 0
         self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
@@ -114,6 +119,7 @@ class Trainer:
             log=lambda line: self.logger.info(line))
         if self.checkpoints.choose(cfg.train.resume, cfg.train.overwrite) is None:  # a resume reads elsewhere
             self.loader.prefetch()  # bad data in the first batch refuses the start before the model is built
+        self.baseline_bytes = resident_bytes() if self.device.type == "cpu" else 0  # what the model adds to
         self.runner = parallelize(
             meta, cfg.parallel, self.mesh, self.device, block_classes(meta),
             materialize=lambda m: materialize(m, self.device, cfg.train.seed, self.snapshot),
@@ -122,6 +128,7 @@ class Trainer:
         self.peak_memory = PeakMemory(self.device)  # the largest rank's peak once the weights are in: loading's
         self.load_mem_gb, = reduce_values([self.peak_memory.read_and_reset()["mem_gb"]], op="max")
         self.optimizer = build_optimizer(self.runner.parts, cfg.optim, loss_scaling=cfg.parallel.param_dtype == "float16")
+        self.state_bytes = StateBytes(self.runner.parts, self.optimizer.optimizers) if self.planned else None
         self.scaler = (ShardedGradScaler(self.device.type, init_scale=cfg.parallel.loss_scale)
                        if cfg.parallel.param_dtype == "float16" else None)
         self.checkpoints.tracked = Tracked(self.runner.parts, self.optimizer, self.loader, self.scaler)
@@ -263,6 +270,8 @@ class Trainer:
             curve = [r for r in read_jsonl(self.files.metrics) if r.get("loss") is not None]
             summary.first_loss = curve[0]["loss"] if curve else None
             summary.last_loss = curve[-1]["loss"] if curve else None
+            if self.planned:
+                print(compare(self.files, self.planned, curve, self.baseline_bytes, self.state_bytes), flush=True)
         return summary
 
     def _log(self, result: StepResult) -> None:

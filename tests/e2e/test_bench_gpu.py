@@ -1,5 +1,6 @@
 """bench/gpu.py: --tiny runs every runner of both workloads on CPU, each saying what it runs, the same work on
-every row; the full shapes refuse to start without a GPU; a runner past --timeout is killed."""
+every row, with clustertrain's plan beside its measurement; the full shapes refuse to start without a GPU; a
+runner past --timeout is killed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu.py"
 RUNNERS = ["clustertrain", "reference-full", "reference-chunked"]
 ROW = re.compile(r"^(clustertrain|reference-full|reference-chunked)\s+([\d,]+)\s+([\d.]+)%\s+([\d.]+) GB$")
 RAN = re.compile(r"^  (clustertrain|reference-full|reference-chunked): (wrapper .*)$")
+NUMBER = r"([\d.,]+(?:e[+-]\d+)?)"
+PLAN = re.compile(rf"^plan vs measured \(clustertrain\): peak memory {NUMBER} GB vs {NUMBER} GB \([\d.]+\), "
+                  rf"step time {NUMBER} s vs {NUMBER} s \([\d.]+\), tokens/s {NUMBER} vs {NUMBER} "
+                  r"\(CPU: measured is the process's peak RSS, which includes ~0\.5 GB of libraries\)$")
 
 
 def bench(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -62,6 +67,9 @@ def test_tiny_bench_says_what_each_runner_runs_and_prints_three_rows_for_both_wo
         for reference in RUNNERS[1:]:
             assert re.search(rf"ratio clustertrain/{reference}: tokens/s \d+\.\d\d, peak memory \d+\.\d\d", table), \
                 table
+        plans = [m for m in (PLAN.match(line) for line in table.splitlines()) if m]  # the plan beside the run
+        assert len(plans) == 1, table
+        assert all(float(n.replace(",", "")) > 0 for n in plans[0].groups()), plans[0][0]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the full shapes would run")

@@ -1,0 +1,103 @@
+"""A run's plan beside what the run measured: the plan (`clustertrain plan`) is made at the start, before the
+process group (it needs a fake one), and written to <run_dir>/plan.json; at the end the run adds what it measured
+and prints one line comparing them.
+
+    planned = plan_run(config, world, per_node, device, files)      # rank 0, before init_process_group
+    watch = StateBytes(optimizers)                                   # counts the first step's gradients and states
+    line = compare(files, planned, measured_records, baseline_bytes, watch)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from clustertrain.config.schema import RunConfig
+from clustertrain.errors import UserError
+from clustertrain.plan.fake import local_bytes, optimizer_state_bytes, state_bytes
+from clustertrain.run_dir import RunDir
+
+
+def plan_run(config: RunConfig, world: int, per_node: int, device_type: str, files: RunDir) -> dict | None:
+    """Plan `config` (resolved) on this world and device, write it to plan.json; None if it could not be planned
+    (the run goes on: a plan is advice)."""
+    from clustertrain.plan.plan import make_plan
+    from clustertrain.plan.target import target_for
+    from clustertrain.train.resolve import resolve_run
+
+    memory = peak = None
+    if device_type == "cuda":
+        from clustertrain.model.estimate import peak_flops
+
+        memory = torch.cuda.get_device_properties(0).total_memory / 1e9
+        dtype = getattr(torch, config.parallel.param_dtype)
+        peak = (config.metrics.peak_flops or peak_flops(torch.device("cuda", 0), dtype) or 0) / 1e12 or None
+    from clustertrain.launch.presets import load_preset
+
+    hardware = load_preset(config.slurm.preset).hardware
+    if hardware is None or hardware.device_type != device_type:  # the preset's devices are not this run's
+        config = config.updated(slurm={"preset": "generic"})
+    args = SimpleNamespace(world=world, nodes=None, gpus_per_node=per_node, preset=None, device_memory=memory,
+                           peak_tflops=peak, efficiency=0.5)
+    try:
+        target = target_for(config, args)
+        run = resolve_run(target.config, world, per_node, None)
+        plan = make_plan(run.config, run.layout, per_node, target.device)
+    except (UserError, RuntimeError, ValueError) as e:
+        print(f"warning: the run could not be planned ({' '.join(str(e).split())[:200]}); it trains all the same",
+              flush=True)
+        return None
+    planned = plan.to_json()
+    files.write(files.plan, json.dumps({"plan": planned}, indent=1))
+    return planned
+
+
+class StateBytes:
+    """This rank's gradient and optimizer-state bytes as the run holds them at its first optimizer step."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.parts = parts
+        self.params, self.trainable, _ = state_bytes(parts)
+        self.grads = self.optimizer = None
+        self._hooks = [o.register_step_pre_hook(self._before) for o in optimizers]
+        self._hooks += [o.register_step_post_hook(self._after) for o in optimizers]
+        self._optimizers, self._stepped = optimizers, set()
+
+    def _before(self, *_: Any) -> None:
+        self.grads = sum(local_bytes(p.grad) for part in self.parts for p in part.parameters() if p.grad is not None)
+
+    def _after(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == len(self._optimizers):  # every part's optimizer has its states
+            self.optimizer = optimizer_state_bytes(self._optimizers)
+            for hook in self._hooks:
+                hook.remove()
+
+
+def compare(files: RunDir, planned: dict, records: list[dict], baseline_bytes: float, state: StateBytes) -> str:
+    """Add what the run measured to plan.json and say, in one line, how close the plan came."""
+    steps = [r for r in records if r.get("tokens_per_s")][1:] or [r for r in records if r.get("tokens_per_s")]
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in steps) if steps else None
+    peak = max((r["mem_gb"] for r in records if r.get("mem_gb") is not None), default=None)
+    measured = {
+        "peak_bytes": peak * 1e9 - baseline_bytes if peak is not None else None,
+        "tokens_per_s": tokens_per_s,
+        "step_s": planned["tokens_per_step"] / tokens_per_s if tokens_per_s else None,
+        "params": state.params, "trainable": state.trainable, "grads": state.grads, "optimizer": state.optimizer,
+    }
+    files.write(files.plan, json.dumps({"plan": planned, "measured": measured}, indent=1))
+    measured_gb = measured["peak_bytes"] / 1e9 if measured["peak_bytes"] is not None else None
+    parts = [_beside("peak memory", planned["peak_bytes"] / 1e9, measured_gb, "GB"),
+             _beside("step time", planned["step_s"], measured["step_s"], "s")]
+    return "plan vs measured: " + ", ".join(parts) + (" (CPU: measured is the peak resident memory above the "
+                                                     "process's before the model)" if baseline_bytes else "")
+
+
+def _beside(what: str, plan: float | None, measured: float | None, unit: str) -> str:
+    shown = lambda v: "—" if v is None else f"{v:,.3f} {unit}"  # noqa: E731
+    ratio = f" ({plan / measured:.2f})" if plan and measured else ""
+    return f"{what} {shown(plan)} vs {shown(measured)}{ratio}"

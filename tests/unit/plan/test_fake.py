@@ -1,0 +1,77 @@
+"""The byte counting and the traffic model of `clustertrain plan`, in-process."""
+
+from __future__ import annotations
+
+import gc
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import TINY
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from clustertrain.config.checks import Layout
+from clustertrain.model.spec import load_checked_config
+from clustertrain.plan.cost import inside_node, traffic
+from clustertrain.plan.fake import LiveBytes
+
+
+def test_live_bytes_counts_a_storage_once_until_it_is_freed_and_follows_resize():
+    with FakeTensorMode(), LiveBytes() as counted:
+        x = torch.empty(1000)
+        views = x.view(10, 100), x[:10]  # views share x's storage
+        assert counted.live == 4000
+        y = x * 2
+        assert counted.live == 8000
+        del y, views, x
+        gc.collect()
+        assert counted.live == 0 and counted.peak == 8000
+        z = torch.empty(256)
+        z.untyped_storage().resize_(0)  # how FSDP frees a gathered parameter
+        assert counted.live == 0
+        z.untyped_storage().resize_(2048)
+        assert counted.live == 2048
+
+
+def layout(**sizes) -> Layout:
+    base = dict(world_size=1, pp=1, dp_replicate=1, dp_shard=1, tp=1, global_batch=8, micro_batch=4, grad_accum=1,
+                wrapper="fsdp")
+    base.update(sizes)
+    base["world_size"] = base["pp"] * base["dp_replicate"] * base["dp_shard"] * base["tp"]
+    return Layout(**base)
+
+
+def test_a_group_is_inside_a_node_while_its_span_of_ranks_fits_one():
+    big = layout(dp_replicate=4, dp_shard=2, tp=4)
+    assert inside_node(big, "tp", 8) and inside_node(big, "dp_shard", 8)  # 4, then 8 adjacent ranks
+    assert not inside_node(big, "dp_replicate", 8)  # 32 ranks: 4 nodes
+    assert not inside_node(big, "dp_shard", 4)
+
+
+@pytest.mark.parametrize("strategy, gathers", [("zero3", 2), ("zero2", 1)])
+def test_fsdp_sends_its_shard_to_each_peer_per_gather_and_reduce_scatter(strategy, gathers):
+    config = load_checked_config(None, [*TINY, f"parallel.strategy={strategy}", "parallel.param_dtype=bfloat16"])
+    shard = 1000  # float32 bytes of this rank's shard; gathered in bfloat16, reduced in float32
+    sent = traffic(config, layout(dp_shard=4), shard, shard, 2, hidden=64, layers=2, per_node=8)
+    assert sent.bytes == {"dp_shard": gathers * 3 * shard / 2 + 3 * shard}
+    assert sent.inside_node == {"dp_shard": True}
+    hybrid = traffic(config, layout(dp_replicate=2, dp_shard=4), shard, shard, 2, hidden=64, layers=2, per_node=4)
+    assert hybrid.bytes["dp_replicate"] == 2 * (1 / 2) * shard and hybrid.inside_node["dp_replicate"] is False
+
+
+def test_tensor_parallel_all_reduces_activations_four_times_a_block_six_with_recompute():
+    config = load_checked_config(None, [*TINY, "parallel.strategy=zero3", "parallel.activation_checkpoint=full"])
+    sent = traffic(config, layout(tp=2, wrapper=None), 0, 0, 4, hidden=64, layers=2, per_node=8)
+    activation = 4 * 64 * 64 * 4  # micro batch 4 × seq 64 × hidden 64, float32
+    assert sent.bytes == {"tp": 2 * 6 * 2 * (1 / 2) * activation}
+
+
+def test_a_target_without_a_world_is_refused_in_one_line():
+    from clustertrain.errors import UserError
+    from clustertrain.plan.target import target_for
+
+    config = load_checked_config(None, TINY)
+    args = SimpleNamespace(world=None, nodes=None, gpus_per_node=None, preset=None, device_memory=None,
+                           peak_tflops=None, efficiency=0.5)
+    with pytest.raises(UserError, match="--world N"):
+        target_for(config, args)
