@@ -75,3 +75,21 @@ def test_a_target_without_a_world_is_refused_in_one_line():
                            peak_tflops=None, efficiency=0.5)
     with pytest.raises(UserError, match="--world N"):
         target_for(config, args)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_a_deep_model_planned_from_two_short_depths_matches_it_stepped_whole(monkeypatch, checkpointing):
+    from clustertrain.plan import plan
+    from clustertrain.train.resolve import resolve_run
+
+    config = load_checked_config(None, [*TINY, "parallel.strategy=zero3", "model.config.num_hidden_layers=20",
+                                        f"parallel.activation_checkpoint={checkpointing}",
+                                        "parallel.param_dtype=float32"])
+    run = resolve_run(config, 4, 4, None)
+    grown = plan.measure_stage(run.config, run.layout, 0)
+    monkeypatch.setattr(plan, "DIRECT_LAYERS", 100)
+    whole = plan.measure_stage(run.config, run.layout, 0)
+    for key in ("params", "trainable", "grads", "optimizer", "checkpoint", "flops_per_token", "layers"):
+        assert getattr(grown, key) == pytest.approx(getattr(whole, key), rel=1e-12), key
+    assert grown.peak == pytest.approx(whole.peak, rel=0.02) and grown.activations == pytest.approx(
+        whole.activations, rel=0.02)
