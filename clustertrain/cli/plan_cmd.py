@@ -3,6 +3,7 @@
     clustertrain plan configs/frontier-llama3-8b.yaml --nodes 64                 # the preset of its slurm section
     clustertrain plan configs/frontier-llama3-8b.yaml --nodes 640 --set parallel.tp=8 --json
     clustertrain plan configs/tiny-llama.yaml --world 4 --preset h100 --device-memory 40
+    clustertrain plan configs/frontier-llama3-8b.yaml --nodes 64 --search --plot plan.png    # the best layouts
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--efficiency", type=float, default=0.5, metavar="F",
                         help="fraction of peak FLOP/s the matmuls reach (default 0.5)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. parallel.tp=8")
+    parser.add_argument("--search", action="store_true", help="try the layouts that could train this config on this "
+                        "world (strategy, tp, pp, micro batch, activation checkpointing) and rank those that fit")
+    parser.add_argument("--plot", metavar="PNG", help="draw memory per rank by component and step time by part "
+                        "(the plan, or the best layouts of --search)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     parser.set_defaults(run=run_plan)
 
@@ -39,14 +44,41 @@ def run_plan(args: argparse.Namespace) -> int:
 
     config = load_checked_config(args.config, args.set)
     target = target_for(config, args)
+    name = f"{args.config or 'the default config'} on {target.where}"
+    if args.search:
+        return _search(args, target, name)
     run = resolve_run(target.config, target.world, target.device.per_node, target.device_type)
     plan = make_plan(run.config, run.layout, target.device.per_node, target.device)
+    if args.plot:
+        from clustertrain.plan.picture import draw
+
+        draw([("this layout", plan)], args.plot, name)
     if args.json:
         print(json.dumps(plan.to_json(), indent=1))
     else:
-        print(f"plan: {args.config or 'the default config'} on {target.where}")
+        print(f"plan: {name}")
         print(plan_table(plan))
     return 0 if plan.fits else 1
+
+
+def _search(args: argparse.Namespace, target, name: str) -> int:
+    from clustertrain.plan.search import search
+
+    ranked = search(target.config, target.world, target.device.per_node, target.device)
+    if args.plot and ranked:
+        from clustertrain.plan.picture import draw
+
+        draw([(f"#{i + 1}", choice.plan) for i, choice in enumerate(ranked)], args.plot, name)
+    if args.json:
+        print(json.dumps([{"overrides": c.overrides, **c.plan.to_json()} for c in ranked], indent=1))
+    elif not ranked:
+        print(f"plan --search: {name}: no layout fits")
+    else:
+        print(f"plan --search: {name}: {len(ranked)} layouts that fit, fastest first")
+        for i, choice in enumerate(ranked):
+            print(f"  #{i + 1} {choice.describe()}")
+        print(f"\nthe best, #1:\n{plan_table(ranked[0].plan)}")
+    return 0 if ranked else 1
 
 
 def _gb(n: float | None) -> str:

@@ -185,10 +185,12 @@ class DataConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3"] = Field(
+    strategy: Literal["ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3", "auto"] = Field(
         "ddp",
         description="Data parallelism: DDP, FSDP2 grad-op shard (zero2), FSDP2 full shard (zero3), or their hybrid "
-        "forms (replicate across groups, shard within).",
+        "forms (replicate across groups, shard within). auto: the layout (strategy, tp, micro batch, activation "
+        "checkpointing) that `clustertrain plan --search` ranks fastest among those that fit, chosen again at "
+        "every start (a requeue on another node count re-plans).",
     )
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="Ranks per shard group for hybrid strategies; default: the ranks of one node."

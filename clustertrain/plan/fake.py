@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import weakref
 from dataclasses import dataclass
 from typing import Iterator
@@ -21,6 +22,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -37,11 +39,13 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a plan needs a process without a process group")
+    excepthook = sys.excepthook  # torch wraps it at every init to prefix tracebacks with the rank: once is enough
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
 
 
 class LiveBytes(TorchDispatchMode):
@@ -57,6 +61,9 @@ class LiveBytes(TorchDispatchMode):
         self._sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            # a fake tensor has no value to read (`.item()`): the pipeline's P2P warm-up vote reads 1, "static"
+            return args[0].dtype.is_floating_point and 1.0 or (True if args[0].dtype == torch.bool else 1)
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):

@@ -11,6 +11,9 @@ from clustertrain.errors import UserError
 from clustertrain.plan.cost import Device
 
 
+CPU_LINKS = (5e9, 1.25e9)  # assumed bytes/s of gloo between CPU ranks of a node (shared memory) and across (10 GbE)
+
+
 @dataclass(frozen=True)
 class Target:
     config: RunConfig  # param_dtype auto made what the target device runs
@@ -50,8 +53,8 @@ def target_for(config: RunConfig, args) -> Target:
         name=hardware.device if hardware else "this machine's CPU",
         memory_bytes=_memory(args.device_memory, hardware, per_node),
         peak_flops=_peak(args.peak_tflops, hardware, dtype, per_node),
-        intra_node_bps=hardware.intra_node_gbps * 1e9 if hardware else None,
-        inter_node_bps=hardware.inter_node_gbps * 1e9 if hardware else None,
+        intra_node_bps=hardware.intra_node_gbps * 1e9 if hardware else CPU_LINKS[0],
+        inter_node_bps=hardware.inter_node_gbps * 1e9 if hardware else CPU_LINKS[1],
         per_node=per_node, efficiency=args.efficiency)
     nodes = f" ({world // per_node} nodes × {per_node})" if world % per_node == 0 and world > per_node else ""
     return Target(config, world, device, device_type, f"{world:,} ranks{nodes} of {device.name}")

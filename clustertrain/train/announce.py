@@ -27,7 +27,7 @@ def start_lines(trainer: Any, resumed: Path | None) -> list[str]:
         f"{trainer.total_steps} steps = {trainer.total_steps * trainer.tokens_per_step / 1e6:.2f}M tokens{epochs}; "
         f"AdamW {fused}, {trainer.attention} attention, {trainer.loss_kind} loss"
     )
-    lines += [*trainer.kernel_notes, *trainer.plan.notes]
+    lines += [*([trainer.layout_choice] if trainer.layout_choice else []), *trainer.kernel_notes, *trainer.plan.notes]
     lines.append(f"resuming from {resumed} at step {trainer.step}" if resumed
                  else f"starting fresh in {trainer.run_dir} (no checkpoint to resume)")
     if trainer.stop.reason:

@@ -34,6 +34,7 @@ class ResolvedRun:
     config: RunConfig
     layout: Layout
     snapshot: Path | None
+    choice: str | None = None  # parallel.strategy auto: what was chosen and why, one line
 
 
 def resolve_run(config: RunConfig, world_size: int, local_world_size: int, device_type: str | None) -> ResolvedRun:
@@ -44,6 +45,11 @@ def resolve_run(config: RunConfig, world_size: int, local_world_size: int, devic
     Raises:
         ConfigError: every problem of the config on this world, at once.
     """
+    choice = None
+    if config.parallel.strategy == "auto":
+        from clustertrain.plan.auto import choose_layout
+
+        config, choice = choose_layout(config, world_size, local_world_size, device_type)
     layout = resolve_layout(config, world_size, local_world_size, model_shape(config.model, config.data.vocab_size))
     resolved = apply_layout(config, layout)
     if device_type is not None:
@@ -54,7 +60,7 @@ def resolve_run(config: RunConfig, world_size: int, local_world_size: int, devic
     snapshot = snapshot_dir(resolved.model)
     if snapshot is not None and not config.data.tokenizer:
         resolved = resolved.updated(data={"tokenizer": str(snapshot)})  # fine-tuning: the model's own tokenizer
-    return ResolvedRun(resolved, layout, snapshot)
+    return ResolvedRun(resolved, layout, snapshot, choice)
 
 
 def resolve_epochs(config: RunConfig, plan: DataPlan, stream_ids: list[int], tokenizer, saved: Path, rank0: bool

@@ -92,7 +92,7 @@ class Trainer:
         the process group, mesh, data, model (meta -> parallelize -> materialize), optimizer and checkpoints."""
         run = resolve_run(self.config, self.info.world_size, self.info.local_world_size,
                           device_type(self.config.parallel))
-        self.config, self.layout, self.snapshot = run.config, run.layout, run.snapshot
+        self.config, self.layout, self.snapshot, self.layout_choice = run.config, run.layout, run.snapshot, run.choice
         cfg, layout = self.config, self.layout
         if cfg.metrics.plan and self.info.rank == 0:  # a fake process group first: before the real one
             self.planned = plan_run(cfg, layout.world_size, self.info.local_world_size,

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.dist
 
 
 @pytest.mark.parametrize("nproc, layout", [(2, ["parallel.strategy=zero3"]),
-                                           (4, ["parallel.strategy=zero2", "parallel.tp=2"])])
+                                           (4, ["parallel.strategy=zero2", "parallel.tp=2"]),
+                                           (2, ["parallel.strategy=ddp", "lora.rank=8"])])
 def test_the_plan_of_a_run_matches_what_it_measured(tmp_path, nproc, layout):
     args = [f"--set={o}" for o in (*TINY, *MODEL, *layout, f"train.run_dir={tmp_path}")]
     result = subprocess.run([sys.executable, "-m", "clustertrain", "train", "--nproc", str(nproc), *args],
@@ -47,3 +48,43 @@ def test_a_layout_that_cannot_work_fails_with_the_runs_own_error(tmp_path, overr
     assert planned.returncode == trained.returncode == 2, planned.stderr + trained.stderr
     assert key in planned.stderr and "Traceback" not in planned.stderr
     assert planned.stderr.strip().splitlines()[-1] in trained.stderr, (planned.stderr, trained.stderr)
+
+
+def chosen(run_dir) -> dict:
+    """The layout a run trained with, from the config.yaml it resolved."""
+    import yaml
+
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return {**{k: config["parallel"][k] for k in ("strategy", "tp", "activation_checkpoint")},
+            "micro_batch_size": config["train"]["micro_batch_size"]}
+
+
+def ranked_first(nproc: int) -> dict:
+    result = run_cli("plan", "--world", str(nproc), "--search", "--json", "--peak-tflops", "1",
+                     *[f"--set={o}" for o in (*TINY, "parallel.strategy=auto")])
+    assert result.returncode == 0, result.stderr
+    best = json.loads(result.stdout)[0]["overrides"]
+    return {**{k: best["parallel"][k] for k in ("strategy", "tp", "activation_checkpoint")},
+            "micro_batch_size": best["train"]["micro_batch_size"]}
+
+
+def test_auto_trains_the_layout_the_plan_ranks_first_and_resumes_on_another_rank_count(tmp_path):
+    from helpers import losses, train
+
+    common = ["train.steps=6", "checkpoint.every=3"]
+    run = tmp_path / "auto"
+    first = train(run, *common, "parallel.strategy=auto", "train.stop_after_steps=3", nproc=2)
+    assert "parallel.strategy auto chose" in first.stdout
+    assert chosen(run) == ranked_first(2)
+    two = chosen(run)
+    then = train(run, *common, "parallel.strategy=auto", nproc=4)
+    assert "resuming from" in then.stdout and "parallel.strategy auto chose" in then.stdout
+    assert chosen(run) == ranked_first(4)
+    fixed = tmp_path / "fixed"
+    train(fixed, *common, f"parallel.strategy={two['strategy']}", f"parallel.tp={two['tp']}",
+          f"train.micro_batch_size={two['micro_batch_size']}",
+          f"parallel.activation_checkpoint={two['activation_checkpoint']}", nproc=2)
+    ours, theirs = losses(run), losses(fixed)
+    assert sorted(ours) == sorted(theirs) == list(range(1, 7))
+    for step in ours:
+        assert ours[step] == pytest.approx(theirs[step], rel=1e-4), step

@@ -1,0 +1,98 @@
+"""The layouts a config could train with on a world, ranked by expected tokens/s among those that fit.
+
+    ranked = search(config, world_size=16, per_node=8, device=device)   # best first; [] if none fits
+    ranked[0].plan.layout, ranked[0].overrides                            # what `parallel.strategy: auto` takes
+
+Candidates: every strategy (ddp, zero2, zero3, and the hybrids across nodes), tp inside a node (no pipeline
+stages yet: those are not planned),
+micro batches that divide a rank's share of the global batch, activation checkpointing none or full; the
+global batch, sequence length and everything else stay the config's. Each candidate's step is first costed
+from the model's parameter count alone (`plan.cost`); they are then planned for real (`make_plan`: built and
+stepped under a fake process group) in that order until `keep` fit, and those are ranked by their plans.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from clustertrain.config.checks import check_world, resolve_layout
+from clustertrain.config.schema import RunConfig
+from clustertrain.errors import UserError
+from clustertrain.model.spec import model_shape
+from clustertrain.plan.cost import Device
+from clustertrain.plan.plan import Plan, make_plan
+
+STRATEGIES = ("ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A layout that fits, the config keys that make it, and its plan."""
+
+    overrides: dict  # section -> keys, for RunConfig.updated
+    plan: Plan
+
+    def describe(self) -> str:
+        p = self.plan.config.parallel
+        micro = self.plan.layout.micro_batch
+        keys = [p.strategy] + [f"{k} {getattr(p, k)}" for k in ("tp", "pp") if getattr(p, k) > 1]
+        keys += [f"micro batch {micro}", f"checkpointing {p.activation_checkpoint}"]
+        speed = f"{self.plan.tokens_per_s:,.0f} tokens/s" if self.plan.tokens_per_s else "speed unknown"
+        return f"{', '.join(keys)}: {speed}, peak {self.plan.peak_bytes / 1e9:.2f} GB a rank"
+
+
+def candidates(config: RunConfig, world: int, per_node: int) -> list[dict]:
+    """Overrides of every layout of `config` on `world` ranks that passes the run's own checks."""
+    shape = model_shape(config.model, config.data.vocab_size)
+    base = resolve_layout(config.updated(parallel={"strategy": "ddp", "tp": 1, "pp": 1, "dp_shard": None,
+                                                   "dp_replicate": None, "microbatches": None}), world, per_node)
+    batch = base.global_batch
+    found = []
+    for strategy, tp, pp, ac in itertools.product(STRATEGIES, (1, 2, 4, 8), (1,), ("none", "full")):
+        if tp > per_node or world % (tp * pp) or (strategy.startswith("hybrid") and world <= per_node):
+            continue
+        dp = world // (tp * pp)
+        if batch % dp:
+            continue
+        rows = batch // dp
+        for micro in sorted({1, 2, 4, 8, rows} & set(range(1, rows + 1))):
+            if rows % micro or (pp > 1 and rows // micro < pp):
+                continue
+            overrides = {
+                "parallel": {"strategy": strategy, "tp": tp, "pp": pp, "dp_shard": None, "dp_replicate": None,
+                             "activation_checkpoint": ac, "microbatches": rows // micro if pp > 1 else None},
+                "train": {"global_batch_size": batch, "grad_accum": None, "micro_batch_size": micro},
+            }
+            candidate = config.updated(**overrides)
+            if not check_world(candidate, world, per_node, shape):
+                found.append(overrides)
+    return found
+
+
+def search(config: RunConfig, world: int, per_node: int, device: Device, keep: int = 5) -> list[Choice]:
+    """The layouts of `config` on `world` ranks that fit `device`, fastest first (at most `keep`)."""
+    from clustertrain.train.resolve import resolve_run
+
+    costed = []
+    for overrides in candidates(config, world, per_node):
+        run = resolve_run(config.updated(**overrides), world, per_node, None)
+        costed.append((overrides, run))
+    if not costed:
+        raise UserError(f"plan --search: no layout of this config passes its checks on {world} ranks")
+    fitting: list[Choice] = []
+    for overrides, run in sorted(costed, key=lambda c: _rough_order(c[1], device)):
+        plan = make_plan(run.config, run.layout, per_node, device)
+        if plan.fits:
+            fitting.append(Choice(overrides, plan))
+        if len(fitting) == keep:
+            break
+    return sorted(fitting, key=lambda c: -(c.plan.tokens_per_s or 0))
+
+
+def _rough_order(run, device: Device) -> tuple:
+    """Likely fastest first, before any is built: less model parallelism, no recompute, larger micro batches,
+    less data-parallel traffic (ddp and zero2 send the weights once, zero3 twice)."""
+    p, layout = run.config.parallel, run.layout
+    traffic = {"ddp": 0, "zero2": 1, "hybrid_zero2": 1, "zero3": 2, "hybrid_zero3": 2}[p.strategy]
+    return (p.activation_checkpoint != "none", p.tp * p.pp, -layout.micro_batch, traffic)
