@@ -37,18 +37,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from clustertrain.launch.presets import load_preset
     from clustertrain.model.spec import load_checked_config
     from clustertrain.plan.plan import make_plan
     from clustertrain.plan.target import target_for
     from clustertrain.train.resolve import resolve_run
 
     config = load_checked_config(args.config, args.set)
-    target = target_for(config, args)
+    preset = load_preset(args.preset or config.slurm.preset)
+    if args.gpus_per_node is None and config.slurm.gpus_per_node is None and preset.gpus_per_node:
+        args.gpus_per_node = preset.gpus_per_node
+    target = target_for(config, args, preset.hardware)
     name = f"{args.config or 'the default config'} on {target.where}"
     if args.search:
         return _search(args, target, name)
     run = resolve_run(target.config, target.world, target.device.per_node, target.device_type)
     plan = make_plan(run.config, run.layout, target.device.per_node, target.device)
+    if run.choice:
+        print(run.choice)
     if args.plot:
         from clustertrain.plan.picture import draw
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from clustertrain.config.checks import check_world, resolve_layout
+from clustertrain.config.checks import Layout, apply_layout, check_world, resolve_layout
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import UserError
 from clustertrain.model.spec import model_shape
@@ -72,17 +72,16 @@ def candidates(config: RunConfig, world: int, per_node: int) -> list[dict]:
 
 def search(config: RunConfig, world: int, per_node: int, device: Device, keep: int = 5) -> list[Choice]:
     """The layouts of `config` on `world` ranks that fit `device`, fastest first (at most `keep`)."""
-    from clustertrain.train.resolve import resolve_run
-
     costed = []
     for overrides in candidates(config, world, per_node):
-        run = resolve_run(config.updated(**overrides), world, per_node, None)
-        costed.append((overrides, run))
+        candidate = config.updated(**overrides)
+        layout = resolve_layout(candidate, world, per_node)
+        costed.append((overrides, apply_layout(candidate, layout), layout))
     if not costed:
         raise UserError(f"plan --search: no layout of this config passes its checks on {world} ranks")
     fitting: list[Choice] = []
-    for overrides, run in sorted(costed, key=lambda c: _rough_order(c[1], device)):
-        plan = make_plan(run.config, run.layout, per_node, device)
+    for overrides, candidate, layout in sorted(costed, key=lambda c: _rough_order(c[1], c[2])):
+        plan = make_plan(candidate, layout, per_node, device)
         if plan.fits:
             fitting.append(Choice(overrides, plan))
         if len(fitting) == keep:
@@ -90,9 +89,9 @@ def search(config: RunConfig, world: int, per_node: int, device: Device, keep: i
     return sorted(fitting, key=lambda c: -(c.plan.tokens_per_s or 0))
 
 
-def _rough_order(run, device: Device) -> tuple:
+def _rough_order(config: RunConfig, layout: Layout) -> tuple:
     """Likely fastest first, before any is built: less model parallelism, no recompute, larger micro batches,
     less data-parallel traffic (ddp and zero2 send the weights once, zero3 twice)."""
-    p, layout = run.config.parallel, run.layout
+    p = config.parallel
     traffic = {"ddp": 0, "zero2": 1, "hybrid_zero2": 1, "zero3": 2, "hybrid_zero3": 2}[p.strategy]
     return (p.activation_checkpoint != "none", p.tp * p.pp, -layout.micro_batch, traffic)

@@ -2,7 +2,8 @@
 process group (it needs a fake one), and written to <run_dir>/plan.json; at the end the run adds what it measured
 and prints one line comparing them.
 
-    planned = plan_run(config, world, per_node, device, files)      # rank 0, before init_process_group
+    planned = plan_run(config, world, per_node, device_type)         # rank 0, before init_process_group
+    files.write(files.plan, json.dumps({"plan": planned}))           # at start, once the run holds its lock
     watch = StateBytes(optimizers)                                   # counts the first step's gradients and states
     line = compare(files, planned, measured_records, baseline_bytes, watch)
 """
@@ -22,38 +23,25 @@ from clustertrain.plan.fake import local_bytes, optimizer_state_bytes, state_byt
 from clustertrain.run_dir import RunDir
 
 
-def plan_run(config: RunConfig, world: int, per_node: int, device_type: str, files: RunDir) -> dict | None:
-    """Plan `config` (resolved) on this world and device, write it to plan.json; None if it could not be planned
-    (the run goes on: a plan is advice)."""
+def plan_run(config: RunConfig, world: int, per_node: int, device_type: str) -> dict | None:
+    """Plan `config` (resolved) on this world and device; None if it could not be planned (the run goes on: a
+    plan is advice). Nothing is written: the run directory is not the run's until it holds the lock."""
+    from clustertrain.config.checks import apply_layout, resolve_layout
     from clustertrain.plan.plan import make_plan
     from clustertrain.plan.target import target_for
-    from clustertrain.train.resolve import resolve_run
 
-    memory = peak = None
-    if device_type == "cuda":
-        from clustertrain.model.estimate import peak_flops
-
-        memory = torch.cuda.get_device_properties(0).total_memory / 1e9
-        dtype = getattr(torch, config.parallel.param_dtype)
-        peak = (config.metrics.peak_flops or peak_flops(torch.device("cuda", 0), dtype) or 0) / 1e12 or None
-    from clustertrain.launch.presets import load_preset
-
-    hardware = load_preset(config.slurm.preset).hardware
-    if hardware is None or hardware.device_type != device_type:  # the preset's devices are not this run's
-        config = config.updated(slurm={"preset": "generic"})
-    args = SimpleNamespace(world=world, nodes=None, gpus_per_node=per_node, preset=None, device_memory=memory,
-                           peak_tflops=peak, efficiency=0.5)
+    args = SimpleNamespace(world=world, nodes=None, gpus_per_node=per_node, device_memory=None,
+                           peak_tflops=config.metrics.peak_flops / 1e12 if config.metrics.peak_flops else None,
+                           efficiency=0.5)
     try:
-        target = target_for(config, args)
-        run = resolve_run(target.config, world, per_node, None)
-        plan = make_plan(run.config, run.layout, per_node, target.device)
+        target = target_for(config, args, device_type=device_type)
+        layout = resolve_layout(target.config, world, per_node)
+        plan = make_plan(apply_layout(target.config, layout), layout, per_node, target.device)
     except (UserError, RuntimeError, ValueError) as e:
         print(f"warning: the run could not be planned ({' '.join(str(e).split())[:200]}); it trains all the same",
               flush=True)
         return None
-    planned = plan.to_json()
-    files.write(files.plan, json.dumps({"plan": planned}, indent=1))
-    return planned
+    return plan.to_json()
 
 
 class StateBytes:

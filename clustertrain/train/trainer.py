@@ -10,6 +10,7 @@ never branches on a model family or a layout.
 from __future__ import annotations
 
 import gc
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,8 +96,7 @@ class Trainer:
         self.config, self.layout, self.snapshot, self.layout_choice = run.config, run.layout, run.snapshot, run.choice
         cfg, layout = self.config, self.layout
         if cfg.metrics.plan and self.info.rank == 0:  # a fake process group first: before the real one
-            self.planned = plan_run(cfg, layout.world_size, self.info.local_world_size,
-                                    device_type(cfg.parallel), self.files)
+            self.planned = plan_run(cfg, layout.world_size, self.info.local_world_size, device_type(cfg.parallel))
         self.device = init_distributed(cfg.parallel, self.info, self.run_dir)
         self.rank0 = dist.get_rank() == 0
         self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
@@ -211,6 +211,8 @@ class Trainer:
             for line in start_lines(self, resumed):
                 self.logger.info(line)
             self.files.write(self.files.config, self.checkpoints.extras.config_yaml)  # for `data audit`, for people
+            if self.planned:
+                self.files.write(self.files.plan, json.dumps({"plan": self.planned}, indent=1))
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
         self._status("running")
         self.logger.log(self.step, {"load_mem_gb": self.load_mem_gb})

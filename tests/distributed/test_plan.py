@@ -24,7 +24,8 @@ pytestmark = pytest.mark.dist
 
 @pytest.mark.parametrize("nproc, layout", [(2, ["parallel.strategy=zero3"]),
                                            (4, ["parallel.strategy=zero2", "parallel.tp=2"]),
-                                           (2, ["parallel.strategy=ddp", "lora.rank=8"])])
+                                           (2, ["parallel.strategy=ddp", "lora.rank=8", "train.global_batch_size=16",
+                                                "train.micro_batch_size=8"])])
 def test_the_plan_of_a_run_matches_what_it_measured(tmp_path, nproc, layout):
     args = [f"--set={o}" for o in (*TINY, *MODEL, *layout, f"train.run_dir={tmp_path}")]
     result = subprocess.run([sys.executable, "-m", "clustertrain", "train", "--nproc", str(nproc), *args],
