@@ -16,8 +16,8 @@ import contextlib
 import dataclasses
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,23 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
     finally:
         dist.destroy_process_group()
         sys.excepthook = excepthook
+        _forget_sharding()
+
+
+def _forget_sharding() -> None:
+    """Drop DTensor's sharding-propagation caches. They are keyed by meshes that compare equal across worlds, so
+    a real run in this process (`parallel.strategy: auto` plans on every rank, as rank 0) would get this world's
+    meshes back in its tensors' specs, with this rank's coordinates: rank 1 then wrote rank 0's shard offsets
+    into its first checkpoint, which failed."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
+    else:  # torch 2.8
+        from torch.distributed.tensor import DTensor
+
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache.cache_clear()
 
 
 class LiveBytes(TorchDispatchMode):

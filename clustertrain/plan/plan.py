@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, fields
 from clustertrain.config.checks import Layout
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import UserError
-from clustertrain.plan.cost import Device, Traffic, bubble, recompute_factor, traffic
 from clustertrain.model.spec import model_shape
+from clustertrain.plan.cost import Device, Traffic, bubble, recompute_factor, traffic
 from clustertrain.plan.fake import RankBytes, fake_world, measure_rank
 
 GB = 1e9
+FIRST_DEPTH = 4  # the blocks of the shorter of the two models a deep one is grown from
 DIRECT_LAYERS = 8  # models this deep (in checkpointing strides) or less are stepped whole
 MEMORY_MARGIN = 0.1  # of the device's memory, left to the allocator's fragmentation and the runtime's own
 
@@ -127,8 +128,9 @@ def measure_stage(config: RunConfig, layout: Layout, rank: int) -> RankBytes:
             return measure_rank(config, layout)
     # at a few blocks the step's peak sits elsewhere (FSDP's prefetch of the next block meets the embeddings and
     # the loss) than in a deep model; from four on, each block adds the same (tests/unit/plan)
-    short, longer = (_measure_at_depth(config, layout, rank, depth) for depth in (4 * stride, 5 * stride))
-    more = layers // stride - 4
+    short, longer = (_measure_at_depth(config, layout, rank, depth * stride)
+                     for depth in (FIRST_DEPTH, FIRST_DEPTH + 1))
+    more = layers // stride - FIRST_DEPTH
     grown = {f.name: getattr(short, f.name) + more * (getattr(longer, f.name) - getattr(short, f.name))
              for f in fields(RankBytes) if f.name not in ("hidden", "layers")}
     return RankBytes(**grown, hidden=short.hidden, layers=layers)

@@ -79,8 +79,11 @@ def search(config: RunConfig, world: int, per_node: int, device: Device, keep: i
         costed.append((overrides, apply_layout(candidate, layout), layout))
     if not costed:
         raise UserError(f"plan --search: no layout of this config passes its checks on {world} ranks")
+    total, trainable = _param_counts(config)
     fitting: list[Choice] = []
     for overrides, candidate, layout in sorted(costed, key=lambda c: _rough_order(c[1], c[2])):
+        if device.memory_bytes and _state_floor(layout, total, trainable) > device.memory_bytes:
+            continue  # its weights and AdamW states alone do not fit: not worth building
         plan = make_plan(candidate, layout, per_node, device)
         if plan.fits:
             fitting.append(Choice(overrides, plan))
@@ -95,3 +98,24 @@ def _rough_order(config: RunConfig, layout: Layout) -> tuple:
     p = config.parallel
     traffic = {"ddp": 0, "zero2": 1, "hybrid_zero2": 1, "zero3": 2, "hybrid_zero3": 2}[p.strategy]
     return (p.activation_checkpoint != "none", p.tp * p.pp, -layout.micro_batch, traffic)
+
+
+def _param_counts(config: RunConfig) -> tuple[int, int]:
+    """The model's parameters and trainable parameters (built on the meta device)."""
+    import torch
+
+    from clustertrain.model.build import build_model
+    from clustertrain.model.estimate import count_params
+
+    built = build_model(config.model, config.lora, None, config.data.vocab_size, param_dtype=torch.float32,
+                        device=torch.device("cpu"), loss=config.train.loss,
+                        loss_chunk_tokens=config.train.loss_chunk_tokens)
+    counts = count_params(built.model)
+    return counts["total"], counts["trainable"]
+
+
+def _state_floor(layout: Layout, total: int, trainable: int) -> float:
+    """Bytes a rank holds at least: float32 weights, and for trainable ones a gradient and two AdamW moments,
+    split over tp and (under FSDP) dp_shard."""
+    split = layout.tp * (layout.dp_shard if layout.wrapper == "fsdp" else 1)
+    return (4 * total + 12 * trainable) / split

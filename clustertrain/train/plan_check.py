@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from clustertrain.config.schema import RunConfig
-from clustertrain.errors import UserError
 from clustertrain.plan.fake import local_bytes, optimizer_state_bytes, state_bytes
 from clustertrain.run_dir import RunDir
 
@@ -36,12 +35,11 @@ def plan_run(config: RunConfig, world: int, per_node: int, device_type: str) -> 
     try:
         target = target_for(config, args, device_type=device_type)
         layout = resolve_layout(target.config, world, per_node)
-        plan = make_plan(apply_layout(target.config, layout), layout, per_node, target.device)
-    except (UserError, RuntimeError, ValueError) as e:
+        return make_plan(apply_layout(target.config, layout), layout, per_node, target.device).to_json()
+    except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run trains
         print(f"warning: the run could not be planned ({' '.join(str(e).split())[:200]}); it trains all the same",
               flush=True)
         return None
-    return plan.to_json()
 
 
 class StateBytes:
@@ -86,6 +84,8 @@ def compare(files: RunDir, planned: dict, records: list[dict], baseline_bytes: f
 
 
 def _beside(what: str, plan: float | None, measured: float | None, unit: str) -> str:
-    shown = lambda v: "—" if v is None else f"{v:,.3f} {unit}"  # noqa: E731
+    def shown(value: float | None) -> str:
+        return "—" if value is None else f"{value:,.3f} {unit}"
+
     ratio = f" ({plan / measured:.2f})" if plan and measured else ""
     return f"{what} {shown(plan)} vs {shown(measured)}{ratio}"

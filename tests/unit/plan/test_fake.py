@@ -34,8 +34,8 @@ def test_live_bytes_counts_a_storage_once_until_it_is_freed_and_follows_resize()
 
 
 def layout(**sizes) -> Layout:
-    base = dict(world_size=1, pp=1, dp_replicate=1, dp_shard=1, tp=1, global_batch=8, micro_batch=4, grad_accum=1,
-                wrapper="fsdp")
+    base = {"world_size": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "global_batch": 8, "micro_batch": 4,
+            "grad_accum": 1, "wrapper": "fsdp"}
     base.update(sizes)
     base["world_size"] = base["pp"] * base["dp_replicate"] * base["dp_shard"] * base["tp"]
     return Layout(**base)
@@ -93,3 +93,29 @@ def test_a_deep_model_planned_from_two_short_depths_matches_it_stepped_whole(mon
         assert getattr(grown, key) == pytest.approx(getattr(whole, key), rel=1e-12), key
     assert grown.peak == pytest.approx(whole.peak, rel=0.02) and grown.activations == pytest.approx(
         whole.activations, rel=0.02)
+
+
+def test_search_ranks_the_layouts_that_fit_fastest_first_and_draws_them(tmp_path, capsys):
+    import json
+
+    from clustertrain.cli import main
+
+    picture = tmp_path / "plan.png"
+    code = main(["plan", "--world", "2", "--search", "--json", "--peak-tflops", "1", "--plot", str(picture),
+                 *[f"--set={o}" for o in TINY]])
+    ranked = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(ranked) > 1 and all(choice["fits"] for choice in ranked)
+    speeds = [choice["tokens_per_s"] for choice in ranked]
+    assert speeds == sorted(speeds, reverse=True) and speeds[-1] > 0
+    assert len({json.dumps(choice["overrides"], sort_keys=True) for choice in ranked}) == len(ranked)
+    assert picture.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("argv, says", [(["--world", "0"], "--world"), (["--world", "2", "--preset", "nowhere"],
+                                                                         "slurm.preset")])
+def test_a_bad_plan_argument_is_one_line_and_exit_2(capsys, argv, says):
+    from clustertrain.cli import main
+
+    assert main(["plan", *argv, *[f"--set={o}" for o in TINY]]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1, err
