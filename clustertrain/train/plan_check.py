@@ -78,14 +78,15 @@ def compare(files: RunDir, planned: dict, records: list[dict], baseline_bytes: f
     files.write(files.plan, json.dumps({"plan": planned, "measured": measured}, indent=1))
     measured_gb = measured["peak_bytes"] / 1e9 if measured["peak_bytes"] is not None else None
     parts = [_beside("peak memory", planned["peak_bytes"] / 1e9, measured_gb, "GB"),
-             _beside("step time", planned["step_s"], measured["step_s"], "s")]
+             _beside("step time", planned["step_s"], measured["step_s"], "s"),
+             _beside("tokens/s", planned["tokens_per_s"], measured["tokens_per_s"], "")]
     return "plan vs measured: " + ", ".join(parts) + (" (CPU: measured is the peak resident memory above the "
                                                      "process's before the model)" if baseline_bytes else "")
 
 
 def _beside(what: str, plan: float | None, measured: float | None, unit: str) -> str:
     def shown(value: float | None) -> str:
-        return "—" if value is None else f"{value:,.3f} {unit}"
+        return "—" if value is None else f"{value:,.3f} {unit}" if unit else f"{value:,.0f}"
 
     ratio = f" ({plan / measured:.2f})" if plan and measured else ""
     return f"{what} {shown(plan)} vs {shown(measured)}{ratio}"
