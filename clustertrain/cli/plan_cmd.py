@@ -96,7 +96,7 @@ def plan_table(plan) -> str:
     config, layout, device = plan.config, plan.layout, plan.device
     lines = [f"layout: {layout.describe(config.data.seq_len)}",
              f"device: {device.name}, {_gb(device.memory_bytes)}, "
-             + (f"{device.peak_flops / 1e12:,.1f} TFLOP/s peak" if device.peak_flops else "peak unknown"),
+             + (f"{device.peak_flops / 1e12:,.3g} TFLOP/s peak" if device.peak_flops else "peak unknown"),
              "", f"{'memory per rank':<44}" + "".join(f"{'stage ' + str(i):>12}" for i in range(len(plan.stages)))]
     rows = [("parameters", "params"), ("gradients", "grads"), ("optimizer states (AdamW)", "optimizer"),
             ("DDP buckets", "buckets"), ("step: activations, gathered weights, temps", "step_peak"),

@@ -30,6 +30,7 @@ from clustertrain.config.checks import Layout
 from clustertrain.config.schema import RunConfig
 
 CPU = torch.device("cpu")
+DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @contextlib.contextmanager
@@ -240,12 +241,59 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
                  "labels": torch.randint(0, vocab, (rows, seq_len))}
         if config.data.packed_documents:
             batch["position_ids"] = torch.arange(seq_len).repeat(rows, 1)
-        with LiveBytes() as counted, _after_forwards(runner.parts, counted) as kept:
-            runner.forward_backward(batch, torch.tensor(1.0 / (rows * seq_len)))
+        scale = torch.tensor(1.0 / (rows * seq_len))
+        if layout.pp > 1:
+            step_peak, activations = _pipeline_step(runner, config, layout, batch, scale, hidden)
+        else:
+            with LiveBytes() as counted, _after_forwards(runner.parts, counted) as kept:
+                runner.forward_backward(batch, scale)
+            step_peak, activations = counted.peak, max(kept, default=0)
         grads = sum(local_bytes(p.grad) for part in runner.parts for p in part.parameters() if p.grad is not None)
     return RankBytes(params=params, trainable=trainable, grads=grads, optimizer=optimizer,
-                     buckets=trainable if ddp else 0, step_peak=counted.peak, activations=max(kept, default=0),
+                     buckets=trainable if ddp else 0, step_peak=step_peak, activations=activations,
                      checkpoint=params + optimizer, flops_per_token=flops, hidden=hidden, layers=layers)
+
+
+def _pipeline_step(runner, config: RunConfig, layout: Layout, batch: dict, scale: torch.Tensor,
+                   hidden: int) -> tuple[int, int]:
+    """(step peak, activations kept) of this rank's pipeline stages: one microbatch through each stage, forward
+    then backward, and the activations of the microbatches the schedule holds in flight counted from it. (The
+    schedule itself cannot run here: its stages learn their inputs' shapes from each other over the process
+    group, which a fake one cannot carry.)"""
+    rows, seq = layout.micro_batch, config.data.seq_len
+    ids, labels = batch["input_ids"][:rows], batch["labels"][:rows]
+    positions = torch.arange(seq).expand(rows, seq).contiguous()
+    residual = DTYPES_BY_NAME[config.parallel.param_dtype] if layout.wrapper == "fsdp" else torch.float32
+    peaks, kept = [], []
+    with LiveBytes() as counted:
+        for stage in runner.parts:
+            before = counted.live
+            counted.reset_peak()
+            with runner.autocast():
+                x = ids if stage.is_first else torch.randn(rows, seq, hidden, dtype=residual, requires_grad=True)
+                out = stage(x, positions, **({"labels": labels} if stage.is_last else {}))
+                kept.append(counted.live - before)
+                if stage.is_last:
+                    runner._scaled_loss(out, labels, scale).backward()
+                else:
+                    torch.autograd.backward(out[0], torch.ones_like(out[0]))
+            peaks.append(counted.peak)
+    in_flight = microbatches_in_flight(config, layout, runner.parts[0].stage_index)
+    per_microbatch = sum(kept) // len(kept)
+    return max(peaks) + (in_flight - 1) * per_microbatch, in_flight * per_microbatch
+
+
+def microbatches_in_flight(config: RunConfig, layout: Layout, first_stage: int) -> int:
+    """Microbatches whose activations a pipeline rank holds at once: all of them under gpipe (every forward
+    before any backward), pp - rank under 1f1b (its warm-up forwards), and under interleaved 1f1b its warm-up
+    across its stages (torch's ScheduleInterleaved1F1B: 2 (pp - rank - 1) + (v - 1) pp, plus the one in hand)."""
+    parallel, rank, microbatches = config.parallel, first_stage % layout.pp, layout.grad_accum
+    if parallel.pp_schedule == "gpipe":
+        return microbatches
+    if parallel.pp_schedule == "1f1b":
+        return min(microbatches, layout.pp - rank)
+    stages = parallel.pp_stages_per_rank
+    return min(microbatches * stages, 2 * (layout.pp - rank - 1) + (stages - 1) * layout.pp + 1)
 
 
 @contextlib.contextmanager

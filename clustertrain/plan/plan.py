@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, fields
 
 from clustertrain.config.checks import Layout
 from clustertrain.config.schema import RunConfig
-from clustertrain.errors import UserError
 from clustertrain.model.spec import model_shape
 from clustertrain.plan.cost import Device, Traffic, bubble, recompute_factor, traffic
 from clustertrain.plan.fake import RankBytes, fake_world, measure_rank
@@ -99,9 +98,6 @@ class Plan:
 
 def make_plan(config: RunConfig, layout: Layout, per_node: int, device: Device) -> Plan:
     """Plan `config` (resolved for `layout`'s world: resolve_run) on `device`, `per_node` ranks per node."""
-    if layout.pp > 1:  # a stage learns its inputs' shapes from its neighbour at the first step: not under a fake group
-        raise UserError("plan: pipeline layouts (parallel.pp > 1) are not planned yet; plan the same config with "
-                        "parallel.pp = 1 and its stages' share of the layers for an estimate")
     ranks_per_stage = layout.world_size // layout.pp
     stages = [measure_stage(config, layout, stage * ranks_per_stage) for stage in range(layout.pp)]
     first = stages[0]

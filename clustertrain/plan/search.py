@@ -3,8 +3,7 @@
     ranked = search(config, world_size=16, per_node=8, device=device)   # best first; [] if none fits
     ranked[0].plan.layout, ranked[0].overrides                            # what `parallel.strategy: auto` takes
 
-Candidates: every strategy (ddp, zero2, zero3, and the hybrids across nodes), tp inside a node (no pipeline
-stages yet: those are not planned),
+Candidates: every strategy (ddp, zero2, zero3, and the hybrids across nodes), tp inside a node, pp up to 4,
 micro batches that divide a rank's share of the global batch, activation checkpointing none or full; the
 global batch, sequence length and everything else stay the config's. Each candidate's step is first costed
 from the model's parameter count alone (`plan.cost`); they are then planned for real (`make_plan`: built and
@@ -49,7 +48,7 @@ def candidates(config: RunConfig, world: int, per_node: int) -> list[dict]:
                                                    "dp_replicate": None, "microbatches": None}), world, per_node)
     batch = base.global_batch
     found = []
-    for strategy, tp, pp, ac in itertools.product(STRATEGIES, (1, 2, 4, 8), (1,), ("none", "full")):
+    for strategy, tp, pp, ac in itertools.product(STRATEGIES, (1, 2, 4, 8), (1, 2, 4), ("none", "full")):
         if tp > per_node or world % (tp * pp) or (strategy.startswith("hybrid") and world <= per_node):
             continue
         dp = world // (tp * pp)

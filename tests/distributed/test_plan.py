@@ -23,11 +23,14 @@ MMAP = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 pytestmark = pytest.mark.dist
 
 
-@pytest.mark.parametrize("nproc, layout", [(2, ["parallel.strategy=zero3"]),
-                                           (4, ["parallel.strategy=zero2", "parallel.tp=2"]),
-                                           (2, ["parallel.strategy=ddp", "lora.rank=8", "train.global_batch_size=16",
-                                                "train.micro_batch_size=8"])])
-def test_the_plan_of_a_run_matches_what_it_measured(tmp_path, nproc, layout):
+@pytest.mark.parametrize("nproc, layout, within", [
+    (2, ["parallel.strategy=zero3"], 0.10),
+    (4, ["parallel.strategy=zero2", "parallel.tp=2"], 0.10),
+    (2, ["parallel.strategy=ddp", "lora.rank=8", "train.global_batch_size=16", "train.micro_batch_size=8"], 0.10),
+    # a pipeline's microbatches in flight are counted from one, not run (docs/plan.md): 1.14 of the measured peak
+    (2, ["parallel.strategy=ddp", "parallel.pp=2"], 0.20),
+])
+def test_the_plan_of_a_run_matches_what_it_measured(tmp_path, nproc, layout, within):
     args = [f"--set={o}" for o in (*TINY, *MODEL, *layout, f"train.run_dir={tmp_path}")]
     result = subprocess.run([sys.executable, "-m", "clustertrain", "train", "--nproc", str(nproc), *args],
                             capture_output=True, text=True, timeout=600, check=False, env={**os.environ, **ONE_THREAD, **MMAP})
@@ -37,8 +40,8 @@ def test_the_plan_of_a_run_matches_what_it_measured(tmp_path, nproc, layout):
     planned, measured = saved["plan"]["stages"][0], saved["measured"]
     for key in ("params", "trainable", "grads", "optimizer"):
         assert planned[key] == measured[key], (key, planned[key], measured[key])
-    assert abs(saved["plan"]["peak_bytes"] / measured["peak_bytes"] - 1) < 0.10, (saved["plan"]["peak_bytes"],
-                                                                                  measured["peak_bytes"])
+    ratio = planned["peak"] / measured["peak_bytes"]  # rank 0's: the first stage's
+    assert abs(ratio - 1) < within, (ratio, planned["peak"], measured["peak_bytes"])
 
 
 @pytest.mark.parametrize("override, key", [("parallel.tp=3", "parallel.tp"), ("parallel.pp=4", "parallel.pp"),

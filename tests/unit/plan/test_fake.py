@@ -119,3 +119,20 @@ def test_a_bad_plan_argument_is_one_line_and_exit_2(capsys, argv, says):
     assert main(["plan", *argv, *[f"--set={o}" for o in TINY]]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("schedule, held", [("gpipe", [4, 4]), ("1f1b", [2, 1]), ("interleaved_1f1b", [5, 3])])
+def test_a_pipeline_rank_holds_the_microbatches_its_schedule_keeps_in_flight(schedule, held):
+    from clustertrain.plan.fake import microbatches_in_flight
+
+    config = load_checked_config(None, [*TINY, "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                                        "parallel.microbatches=4", "model.config.num_hidden_layers=4"])
+    pipeline = layout(pp=2, dp_shard=1, grad_accum=4, micro_batch=1, wrapper=None)
+    assert [microbatches_in_flight(config, pipeline, stage) for stage in (0, 1)] == held
+    # and the plan of a pipeline rank holds that many microbatches' activations
+    from clustertrain.plan.plan import measure_stage
+    from clustertrain.train.resolve import resolve_run
+
+    run = resolve_run(config, 2, 2, "cpu")
+    first, last = (measure_stage(run.config, run.layout, rank) for rank in (0, 1))
+    assert first.activations > 0 and last.activations > 0
