@@ -30,6 +30,7 @@ from clustertrain.config.checks import Layout
 from clustertrain.config.schema import RunConfig
 
 CPU = torch.device("cpu")
+GPU_ATTENTION = ("flash_attention_2", "flex_attention")
 DTYPES_BY_NAME = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -215,6 +216,10 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
     from clustertrain.model.loss import TokenLoss
     from clustertrain.parallel.apply import DTYPES, parallelize
 
+    # flash-attn and flex run on GPUs only; they keep no seq x seq tensor, as sdpa without a mask does not
+    kernel = config.model.attn_implementation in GPU_ATTENTION
+    if kernel:
+        config = config.updated(model={"attn_implementation": "sdpa"})
     dtype = DTYPES[config.parallel.param_dtype]
     built = build_model(config.model, config.lora, None, config.data.vocab_size, param_dtype=dtype, device=CPU,
                         loss=config.train.loss, loss_chunk_tokens=config.train.loss_chunk_tokens, tp=layout.tp,
@@ -239,7 +244,7 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
         vocab = built.hf_config.vocab_size
         batch = {"input_ids": torch.randint(0, vocab, (rows, seq_len)),
                  "labels": torch.randint(0, vocab, (rows, seq_len))}
-        if config.data.packed_documents:
+        if config.data.packed_documents and not kernel:  # sdpa masks documents with a [rows, 1, seq, seq] mask
             batch["position_ids"] = torch.arange(seq_len).repeat(rows, 1)
         scale = torch.tensor(1.0 / (rows * seq_len))
         if layout.pp > 1:

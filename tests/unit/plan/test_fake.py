@@ -136,3 +136,22 @@ def test_a_pipeline_rank_holds_the_microbatches_its_schedule_keeps_in_flight(sch
     run = resolve_run(config, 2, 2, "cpu")
     first, last = (measure_stage(run.config, run.layout, rank) for rank in (0, 1))
     assert first.activations > 0 and last.activations > 0
+
+
+def test_the_activations_follow_the_attention_kernel():
+    """sdpa masks packed documents with a [rows, 1, seq, seq] mask and keeps it for the backward; flash-attn and
+    flex keep no seq x seq tensor (planned on the CPU as sdpa without a mask, which keeps none either)."""
+    from clustertrain.plan.fake import fake_world, measure_rank
+    from clustertrain.train.resolve import resolve_run
+
+    kept = {}
+    for attention in ("sdpa", "flash_attention_2", "flex_attention"):
+        config = load_checked_config(None, [*TINY, "data.seq_len=512", "data.doc_masking=true",
+                                            "model.config.max_position_embeddings=512",
+                                            f"model.attn_implementation={attention}"])
+        run = resolve_run(config, 1, 1, None)
+        with fake_world(1, 0):
+            kept[attention] = measure_rank(run.config.updated(parallel={"param_dtype": "float32"}), run.layout)
+    rows, seq = 4, 512
+    assert kept["sdpa"].activations - kept["flash_attention_2"].activations >= rows * seq * seq
+    assert kept["flash_attention_2"] == kept["flex_attention"]
