@@ -109,8 +109,9 @@ def plan_table(plan) -> str:
                      + ("" if plan.fits else "   DOES NOT FIT"))
     lines.append(f"  checkpoint: {_gb(plan.stages[0].checkpoint)} per rank, {_gb(plan.checkpoint_total_bytes)} in all")
     lines += ["", "step"]
-    lines.append("  compute                  " + (f"{plan.compute_s:.3f} s at {device.efficiency:.0%} of peak"
-                                                  if plan.compute_s is not None else "— (no peak FLOP/s)"))
+    lines.append(f"  compute                  {plan.flops_per_rank / 1e12:,.1f} TFLOPs a rank, "
+                 + (f"{plan.compute_s:.3f} s at {device.efficiency:.0%} of peak" if plan.compute_s is not None
+                    else "time unknown (no peak FLOP/s)"))
     if plan.bubble:
         lines.append(f"  pipeline bubble          {plan.bubble:.0%} of the step")
     for dim, nbytes in plan.traffic.bytes.items():

@@ -65,6 +65,13 @@ class Plan:
         return max(busy, dp) + sum(s for dim, s in self.comm_s.items() if not dim.startswith("dp"))
 
     @property
+    def flops_per_rank(self) -> float:
+        """The FLOPs one rank computes per step: the model's share, and the forward recomputed under activation
+        checkpointing."""
+        tokens = self.tokens_per_step / self.layout.world_size
+        return self.stages[0].flops_per_token * tokens * recompute_factor(self.config)
+
+    @property
     def tokens_per_s(self) -> float | None:
         return self.tokens_per_step / self.step_s if self.step_s else None
 
@@ -85,7 +92,7 @@ class Plan:
             "checkpoint_total_bytes": self.checkpoint_total_bytes,
             "comm_bytes": self.traffic.bytes, "comm_what": self.traffic.what,
             "comm_inside_node": self.traffic.inside_node, "comm_s": self.comm_s,
-            "compute_s": self.compute_s, "bubble": self.bubble, "step_s": self.step_s,
+            "flops_per_rank": self.flops_per_rank, "compute_s": self.compute_s, "bubble": self.bubble, "step_s": self.step_s,
             "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
         }
 
@@ -104,12 +111,11 @@ def make_plan(config: RunConfig, layout: Layout, per_node: int, device: Device) 
     itemsize = 2 if config.parallel.param_dtype in ("bfloat16", "float16") else 4
     sent = traffic(config, layout, first.params, first.trainable, itemsize, first.hidden, first.layers, per_node)
     tokens = layout.global_batch * config.data.seq_len
-    compute_s = None
-    if device.peak_flops:
-        flops = first.flops_per_token * tokens / layout.world_size * recompute_factor(config)
-        compute_s = flops / (device.peak_flops * device.efficiency)
-    return Plan(config, layout, per_node, device, stages, sent, compute_s, bubble(config, layout),
+    plan = Plan(config, layout, per_node, device, stages, sent, None, bubble(config, layout),
                 {dim: sent.seconds(dim, device) for dim in sent.bytes}, tokens)
+    if device.peak_flops:
+        plan.compute_s = plan.flops_per_rank / (device.peak_flops * device.efficiency)
+    return plan
 
 
 def measure_stage(config: RunConfig, layout: Layout, rank: int) -> RankBytes:
