@@ -26,19 +26,19 @@ import sys
 from clustertrain.errors import UserError
 from clustertrain.torch_check import installed_torch, torch_problem
 
-WITHOUT_TORCH = {"download", "config", "slurm", "plot"}  # login-node commands: they never import torch
+WITHOUT_TORCH = {"download", "config", "slurm", "env", "plot"}  # login-node commands: they never import torch
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import (config_cmd, data_cmd, download_cmd, eval_cmd, export_cmd, generate_cmd, plan_cmd,
-                                  plot_cmd, slurm_cmd, tokenizer_cmd, train_cmd, verify_cmd)
+    from clustertrain.cli import (config_cmd, data_cmd, download_cmd, env_cmd, eval_cmd, export_cmd, generate_cmd,
+                                  plan_cmd, plot_cmd, slurm_cmd, tokenizer_cmd, train_cmd, verify_cmd)
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train_cmd, verify_cmd, config_cmd, plan_cmd, data_cmd, tokenizer_cmd, export_cmd, generate_cmd,
-                   eval_cmd, download_cmd, slurm_cmd, plot_cmd):
+                   eval_cmd, download_cmd, slurm_cmd, env_cmd, plot_cmd):
         module.add_parser(commands)
     return parser
 

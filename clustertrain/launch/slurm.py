@@ -143,6 +143,12 @@ def _fill(template: str, **values: object) -> str:
     return _Script(resources.files(__package__).joinpath("templates", template).read_text()).substitute(values)
 
 
+def environment_lines(slurm: SlurmConfig) -> str:
+    """The module loads, exports and setup lines a job script of `slurm` runs before its ranks start: for an
+    interactive allocation (`clustertrain env CONFIG`, then `eval` it), the same as the script's."""
+    return _environment(job_spec(slurm)) + "\n"
+
+
 def _environment(spec: JobSpec) -> str:
     """Module loads, exports and setup lines: the preset's, then the config's."""
     if spec.modules:
