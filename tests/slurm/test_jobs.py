@@ -43,8 +43,14 @@ def test_a_real_error_is_not_requeued_and_odd_names_are_quoted(tmp_path):
     name = "it's a $(touch pwned) job"
     job = submit(tmp_path, "data.sources=[{path: /no/such/file.jsonl}]", f"slurm.job_name={name}")
     assert wait_until_done(tmp_path) == ["failed"]
-    shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    assert f"JobName={name}" in shown and "Restarts=0" in shown and "JobState=FAILED" in shown
+
+    def shown() -> str:
+        return subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+
+    # The chain records "failed" from inside the job; Slurm marks the job FAILED a moment later.
+    wait_for(lambda: "JobState=RUNNING" not in shown() and "JobState=COMPLETING" not in shown(), tmp_path,
+             "Slurm to end the job", timeout=60)
+    assert f"JobName={name}" in shown() and "Restarts=0" in shown() and "JobState=FAILED" in shown()
     assert "/no/such/file.jsonl" in log(tmp_path) and "not requeued" in log(tmp_path)
     assert not list(tmp_path.rglob("pwned"))
 
