@@ -64,6 +64,30 @@ class RunDir:
         return self.root / "plan.json"
 
     @property
+    def heartbeats(self) -> Path:  # distributed/watchdog.py (every rank): rank-NNNNN.json, its step, phase and time
+        return self.root / "heartbeats"
+
+    def heartbeat(self, rank: int) -> Path:
+        """Rank `rank`'s heartbeat file (distributed/watchdog.py)."""
+        return self.heartbeats / f"rank-{rank:05d}.json"
+
+    @property
+    def hang(self) -> Path:  # distributed/watchdog.py on a hang: report.json and each live rank's stacks
+        return self.root / "hang"
+
+    @property
+    def hang_report(self) -> Path:  # distributed/watchdog.py: the stuck rank and phase, and the stack files
+        return self.hang / "report.json"
+
+    def hang_stacks(self, rank: int) -> Path:
+        """Rank `rank`'s Python stacks (every thread) at a hang; flight-rank-N.pkl beside it on NCCL."""
+        return self.hang / f"rank-{rank:05d}.txt"
+
+    @property
+    def doctor(self) -> Path:  # `clustertrain doctor --output` (rank 0; the job step of slurm.doctor): its findings
+        return self.root / "doctor.json"
+
+    @property
     def checkpoints(self) -> Path:  # checkpoint/ (every rank writes, rank 0 publishes): step-N/ folders
         return self.root / "checkpoints"
 

@@ -92,19 +92,20 @@ def _run_once(argv: list[str], env: dict[str, str] | None, timeout: float, cwd: 
 
 
 def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: str | None = None,
-          extra_args: tuple[str, ...] = (), expect: int = 0, state: str | None = None) -> subprocess.CompletedProcess:
+          extra_args: tuple[str, ...] = (), expect: int = 0, state: str | None = None,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Train the tiny model into `run_dir`; fails the test with the output unless the run exits `expect` and its
     status.json says so (see `check_ending`)."""
     args = ["train", *([config] if config else []), *(["--nproc", str(nproc)] if nproc else []), *extra_args]
     args += [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
     before = read_status(Path(run_dir))
-    result = run_cli(*args)
+    result = run_cli(*args, env=env)
     check_ending(Path(run_dir), result, expect, state=state, before=before)
     return result
 
 
 # The state status.json holds after each exit code; exit 0 and exit 2 are worked out in check_ending.
-STATE_AFTER_EXIT = {1: "failed", 3: "failed", 74: "failed", 75: "preempted"}
+STATE_AFTER_EXIT = {1: "failed", 3: "failed", 74: "failed", 75: "preempted", 76: "hung"}
 
 
 def check_ending(run_dir: Path, result: subprocess.CompletedProcess, expect: int = 0, state: str | None = None,
@@ -114,7 +115,8 @@ def check_ending(run_dir: Path, result: subprocess.CompletedProcess, expect: int
     Exit 0: "finished" at the last step, with the end-of-run sample printed (unless the config turns it off, the
     run is pipelined or has no tokenizer), or "stopped" when train.stop_after_steps ended it earlier. Exit 2, a
     user error: status.json as it was `before` (a refused start touches nothing), unless `state` names the state
-    (an error after the start: "failed"). Exit 1, 3 (diverged) and 74 (a failed save): "failed"; 75: "preempted".
+    (an error after the start: "failed"). Exit 1, 3 (diverged) and 74 (a failed save): "failed"; 75: "preempted";
+    76 (the watchdog ended a hang): "hung".
     """
     output = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert result.returncode == expect, output

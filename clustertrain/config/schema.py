@@ -361,6 +361,24 @@ class MetricsConfig(Section):
                        "time) into <run_dir>/plan.json, and print the plan beside what the run measured at its end.")
 
 
+class WatchdogConfig(Section):
+    """The hang watchdog (distributed/watchdog.py): a rank stuck in one phase past its timeout ends the job with
+    exit 76, its stacks in <run_dir>/hang/, and the Slurm path requeues it."""
+
+    enabled: bool = Field(True, description="Beat a heartbeat per rank and end a hung run (exit 76) with a report.")
+    heartbeat_s: float = Field(10, gt=0, allow_inf_nan=False,
+                               description="Seconds between a rank's heartbeats in <run_dir>/heartbeats/.")
+    startup_timeout_s: float = Field(3600, gt=0, description="Building the model and loading the checkpoint "
+                                     "(not the tokenizer and data preparation, which rank 0 reports on itself).")
+    first_step_timeout_s: float = Field(1800, gt=0, description="The first step of a start (compilation, warm-up).")
+    step_timeout_s: float = Field(300, gt=0, description="A step may take this long, or step_timeout_factor times the "
+                                  "median step if that is longer; below parallel.timeout_minutes, which would end a "
+                                  "hung collective first, without a report.")
+    step_timeout_factor: float = Field(10, ge=1, description="A step past this many median steps is hung.")
+    save_timeout_s: float = Field(1800, gt=0, description="A checkpoint save (and the end of the run).")
+    eval_timeout_s: float = Field(1800, gt=0, description="An evaluation or the end-of-run sample.")
+
+
 class RunConfig(Section):
     name: str = Field("default", description="Run name; the config file's stem unless set.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -372,6 +390,16 @@ class RunConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+
+    @model_validator(mode="after")
+    def _watchdog_first(self) -> RunConfig:
+        collective_s = self.parallel.timeout_minutes * 60
+        if self.watchdog.enabled and self.watchdog.step_timeout_s >= collective_s:
+            raise ValueError(f"watchdog.step_timeout_s = {self.watchdog.step_timeout_s:g} must be below "
+                             f"parallel.timeout_minutes = {self.parallel.timeout_minutes:g} ({collective_s:g} s): a hung "
+                             "collective would end the run first, without naming the stuck rank")
+        return self
 
     def updated(self, **changes: Any) -> RunConfig:
         """A copy with `changes`: a section's fields as a dict (`train={"steps": 3}`) or a top-level value

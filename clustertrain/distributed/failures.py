@@ -77,13 +77,14 @@ class PeerFailed(UserError):
         self.shown = failure.shown
 
 
-def first_failure(error: BaseException) -> RankFailure:
+def first_failure(error: BaseException, vanished: Callable[[], str | None] | None = None) -> RankFailure:
     """Publish this rank's `error` and return the error to report; `shown` if it is on the terminal already.
 
     Rank 0: its own if it is a user error, else the earliest of any rank's. Other ranks: their own user error,
     shown here if rank 0 has not shown one within SHOW_WAIT_S; an error that came after another rank's (a
     collective it broke) gives way to that one, which rank 0 reports. A UserError shown here is marked
-    `shown = True` for the CLI."""
+    `shown = True` for the CLI. `vanished` names the ranks that died without a word (the watchdog's heartbeats),
+    when a connection broke and no rank said why."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     own = RankFailure.of(rank, error)
     store = _store()
@@ -98,7 +99,7 @@ def first_failure(error: BaseException) -> RankFailure:
     except (RuntimeError, OSError, ValueError):  # the store went down with rank 0, or timed out
         first = own
     if first is own and _lost_connection(own):
-        return _vanished_peer(own, say=rank == 0)
+        return _vanished_peer(own, say=rank == 0, vanished=vanished if rank == 0 else None)
     if first is own and own.shown:
         error.shown = True  # type: ignore[attr-defined]  # read by the CLI, which then prints nothing more
     return first
@@ -123,14 +124,16 @@ def _lost_connection(failure: RankFailure) -> bool:
     return not failure.user and (failure.kind == "DistNetworkError" or bool(_CONNECTION_LOST.search(failure.message)))
 
 
-def _vanished_peer(own: RankFailure, say: bool) -> RankFailure:
+def _vanished_peer(own: RankFailure, say: bool, vanished: Callable[[], str | None] | None) -> RankFailure:
     """No rank reported an error, yet a connection broke: a rank died without a word (SIGKILL, the OOM killer, a
     crash in C), and whoever started it (the `--nproc` launcher, srun, torchrun) reports how it ended. This rank
     stays quiet about the dropped connection; rank 0 says so in one line (a rank that lost rank 0 with its store
-    stays quiet too: rank 0 showed its error before it left, or its launcher names it)."""
-    failure = RankFailure(VANISHED, own.time, own.kind, f"rank {own.rank} lost its connection to another rank, which "
-                          "stopped without reporting an error (killed? out of memory?); its launcher's output names it",
-                          exit_code=1, user=False, shown=True)
+    stays quiet too: rank 0 showed its error before it left, or its launcher names it). `vanished` names the
+    dead rank from its heartbeat where it can."""
+    named = vanished() if vanished else None
+    failure = RankFailure(VANISHED, own.time, own.kind, named or f"rank {own.rank} lost its connection to another "
+                          "rank, which stopped without reporting an error (killed? out of memory?); its launcher's "
+                          "output names it", exit_code=1, user=False, shown=True)
     if say:
         print(f"error: {failure.line()}", file=sys.stderr, flush=True)
     return failure

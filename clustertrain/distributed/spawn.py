@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from clustertrain.distributed.stop import STOP_SIGNALS, EarlySignals
 
@@ -114,7 +115,8 @@ def _libc() -> ctypes.CDLL | None:
 def _kill(procs: list[subprocess.Popen], grace_s: float = 0) -> None:
     """Kill the ranks still running after `grace_s` seconds, each with its process group (DataLoader workers)."""
     deadline = time.monotonic() + grace_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    # a stopped rank (SIGSTOP, a debugger) cannot act on SIGTERM: no use waiting for it
+    while any(p.poll() is None and not _stopped(p.pid) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in procs:
         if p.poll() is None:
@@ -143,6 +145,14 @@ def _wait(procs: list[subprocess.Popen]) -> int:
         if all(c == 0 for c in codes):
             return 0
         time.sleep(0.1)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T in /proc; False where that cannot be read)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
 
 
 def _signal_name(signum: int) -> str:

@@ -33,7 +33,9 @@ from clustertrain.distributed.failures import PeerFailed, RankFailure, first_fai
 from clustertrain.distributed.init import close_distributed, device_type, init_distributed
 from clustertrain.distributed.mesh import build_mesh
 from clustertrain.distributed.rank0 import rank0_first
+from clustertrain.distributed.faults import delay
 from clustertrain.distributed.stop import Preempted, StopRequests
+from clustertrain.distributed.watchdog import Watchdog
 from clustertrain.model.build import block_classes, build_model
 from clustertrain.model.estimate import check_training_memory, count_params, model_flops_per_token, peak_flops
 from clustertrain.model.loss import TokenLoss
@@ -85,6 +87,7 @@ class Trainer:
         self.stop: StopRequests | None = None  # run() listens from the start; start() at the latest
         self.lock: RunLock | None = None  # rank 0's hold on the run directory, from build() to close()
         self.planned: dict | None = None  # rank 0's plan of the run (metrics.plan)
+        self.watchdog: Watchdog | None = None  # every rank's, from the run directory's lock to close()
         self.started = False  # start() began: from here on a failure is recorded in status.json
 
     # ---- build -------------------------------------------------------------------------------
@@ -100,8 +103,11 @@ class Trainer:
         self.device = init_distributed(cfg.parallel, self.info, self.run_dir)
         self.rank0 = dist.get_rank() == 0
         self.lock = lock_run_dir(self.run_dir, self.rank0)  # before anything in the run directory is touched
+        self.watchdog = Watchdog(cfg.watchdog, self.files, dist.get_rank(), dist.get_world_size(), self._hung,
+                                 nccl=dist.get_backend() == "nccl")
         torch.manual_seed(cfg.train.seed + dist.get_rank())
         self.mesh = build_mesh(layout, self.device.type)
+        self.watchdog.phase("data preparation")  # no limit: rank 0 reports on its own progress (rank0_first)
         self.tokenizer = rank0_first("preparing the tokenizer", lambda: load_tokenizer(cfg.data))
         self.plan = rank0_first("indexing the data sources", lambda: DataPlan(
             cfg.data, self.tokenizer, cfg.train.global_batch_size, cfg.data_seed, cache_root(cfg.data)
@@ -110,6 +116,7 @@ class Trainer:
         cfg, self.epoch_steps = resolve_epochs(cfg, self.plan, self.loader.stream_ids, self.tokenizer,
                                                self.files.epoch_count, self.rank0)
         self.config = cfg
+        self.watchdog.phase("start-up")
         self.total_steps, self.tokens_per_step = total_steps(cfg), cfg.tokens_per_step
         meta = self._build_model()
         self.checkpoints = CheckpointManager(
@@ -183,7 +190,10 @@ class Trainer:
         except Preempted:
             raise
         except (Exception, KeyboardInterrupt, SystemExit) as e:  # never left "running": launchers would wait forever
-            first = None if isinstance(e, KeyboardInterrupt) else first_failure(e)  # of any rank
+            if self.watchdog:
+                self.watchdog.join_hang()  # a collective broken by a peer that ended for a hang: part of that hang
+            vanished = self.watchdog.vanished if self.watchdog else None
+            first = None if isinstance(e, KeyboardInterrupt) else first_failure(e, vanished)  # of any rank
             if self._records_failure(first):
                 checkpoints = getattr(self, "checkpoints", None)
                 record_failure(self.run_dir, e, first, self.step, checkpoints.last if checkpoints else None)
@@ -215,6 +225,7 @@ class Trainer:
                 self.files.write(self.files.plan, json.dumps({"plan": self.planned}, indent=1))
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
         self._status("running")
+        self.watchdog.start_beating()
         self.logger.log(self.step, {"load_mem_gb": self.load_mem_gb})
         self.stop_step = min(self.total_steps, self.step + (cfg.train.stop_after_steps or self.total_steps))
         self.non_finite = NonFiniteSteps(cfg.train.on_nan, self.device)
@@ -225,6 +236,7 @@ class Trainer:
         """Run `n` optimizer steps, with logging, evaluation and checkpoints on their schedule."""
         cfg = self.config
         for _ in range(n):
+            self.watchdog.phase("step" if self.watchdog.step_s else "first step", self.step + 1)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr_at(self.step, self.total_steps, cfg.optim)
             self.profiler.step_started(self.step + 1)
@@ -239,6 +251,7 @@ class Trainer:
                 self._log(result)
                 self.checkpoints.commit_if_done()  # an async save whose write is done; never waits
                 self._stop_if_diverged()
+            self.watchdog.step_done()
             every = cfg.train.eval_every
             if every and (self.step % every == 0 or self.step == self.total_steps) and self.plan.has_eval():
                 self.summary.eval_loss = self._evaluate()
@@ -264,6 +277,7 @@ class Trainer:
         summary.steps, summary.checkpoint = self.step, self.checkpoints.last
         if self.batches.audit:
             self.batches.audit.close()
+        self.watchdog.phase("evaluation")
         summary.sample = end_of_run_sample(self.runner, self.layout.wrapper == "fsdp", self.rank0, self.tokenizer,
                                            self.plan, cfg.sample_prompt, cfg.sample_tokens,
                                            self.step >= self.total_steps, self.device, self.logger.info, self.run_dir)
@@ -278,6 +292,7 @@ class Trainer:
 
     def _log(self, result: StepResult) -> None:
         skipped = self.non_finite.skipped()
+        delay("collective", dist.get_rank(), self.step)  # a test's fault: this rank late for the loss all-reduce
         self.logger.log(self.step, {
             "loss": global_mean_loss(result, self.mesh.dp_group, self.runner.pp_group),
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -294,6 +309,7 @@ class Trainer:
     def _evaluate(self) -> float:
         """Held-out loss and perplexity over `train.eval_batches` global batches, logged; time not counted."""
         cfg = self.config
+        self.watchdog.phase("evaluation")
         loss = evaluate(self.runner, self._loader("eval"), cfg.train.eval_batches, self.layout.grad_accum,
                         self.mesh.dp_group, self.device, cfg.data.packed_documents, self.attention)
         self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
@@ -305,6 +321,7 @@ class Trainer:
         """Checkpoint the current step (every rank calls; CheckpointManager.save), never a diverged one: the NaN
         check comes first. The time the loop waited for it is logged."""
         self._stop_if_diverged()
+        self.watchdog.phase("checkpoint save")
         waits = len(self.checkpoints.blocking_s)
         path = self.checkpoints.save(self.step, self.tokens_seen, wait=wait, final=final)
         if len(self.checkpoints.blocking_s) > waits:  # a failed save reports itself
@@ -315,6 +332,7 @@ class Trainer:
     def _save_last(self) -> None:
         """The save a run ends with, which must succeed (CheckpointManager.save_last)."""
         if self.checkpoints.saved(self.step):
+            self.watchdog.phase("checkpoint save")
             self.checkpoints.finalize(final=True)
         else:
             self.save(final=True)
@@ -326,6 +344,17 @@ class Trainer:
             raise self.non_finite.error(self.mesh.dp_group, self.runner.pp_group, self.checkpoints.last,
                                         self.config.optim.lr)
 
+    def _hung(self, report: dict) -> None:
+        """The watchdog's report of a hang, by the lowest rank still alive: status.json says so, and rank 0 lets go
+        of the run directory (the process ends without unwinding)."""
+        checkpoints = getattr(self, "checkpoints", None)
+        last = checkpoints.last if checkpoints else None
+        write_status(self.run_dir, "hung", step=self.step, total_steps=getattr(self, "total_steps", None),
+                     checkpoint=str(last) if last else None, error=report["line"],
+                     **{k: report[k] for k in ("stuck_ranks", "stuck_hosts", "phase")})
+        if self.lock:
+            self.lock.release()
+
     def _status(self, state: str, **fields) -> None:
         if self.rank0:
             checkpoint = self.checkpoints.last
@@ -336,6 +365,8 @@ class Trainer:
         """Release signal handlers, metrics files, the model and the process groups, in that order."""
         if self.stop:
             self.stop.close()
+        if self.watchdog:
+            self.watchdog.phase("closing")
         if getattr(self, "profiler", None):
             self.profiler.close()  # a run that ended inside the profiled range keeps what was traced
         if getattr(self, "logger", None):
@@ -348,6 +379,8 @@ class Trainer:
             self.checkpoints.tracked = None  # it holds the model too
         gc.collect()
         close_distributed()
+        if self.watchdog:
+            self.watchdog.close()
         if self.lock:  # last: the files above are closed; a refused start leaves no directory it made
             self.lock.release()
             self.lock = None

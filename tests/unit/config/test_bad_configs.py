@@ -248,6 +248,10 @@ CASES: dict[str, Bad] = {
     "timeout-zero": S("parallel.timeout_minutes", "parallel.timeout_minutes=0"),
     "timeout-bool": S("parallel.timeout_minutes", "parallel.timeout_minutes=true"),
     "parallel-unknown-key": S("parallel.dp", "parallel.dp=2"),
+    # ---- watchdog ----------------------------------------------------------------------------
+    "watchdog-after-collective": S("watchdog.step_timeout_s", "parallel.timeout_minutes=1"),
+    "heartbeat-zero": S("watchdog.heartbeat_s", "watchdog.heartbeat_s=0"),
+    "watchdog-factor-below-1": S("watchdog.step_timeout_factor", "watchdog.step_timeout_factor=0.5"),
     # ---- checkpoint ----------------------------------------------------------------------------
     "every-negative": S("checkpoint.every", "checkpoint.every=-1"),
     "every-bool": S("checkpoint.every", "checkpoint.every=true"),

@@ -1,0 +1,350 @@
+"""The hang watchdog: a rank stuck in one phase of the run past that phase's timeout ends the job with a report
+that names the stuck rank, instead of the collective timeout's traceback (gloo) or a job left "running" (NCCL).
+
+Each rank runs a thread that
+- every `watchdog.heartbeat_s` writes `heartbeats/rank-N.json`: the step, the phase and since when, the main
+  thread's innermost frame, and whether the main thread waits in a collective (its frame is in torch.distributed,
+  DDP or autograd);
+- about every second compares the main thread's time in its phase with the phase's timeout (`timeout`).
+
+On a hang each live rank writes every thread's Python stacks (and on NCCL the flight recorder's record) into
+`hang/`, marks its heartbeat "hung" and waits until every other rank has done the same or has stopped beating.
+Then the lowest rank still beating names the stuck rank (`diagnose`) in one line, in `hang/report.json` and, by
+the trainer's `on_hang`, in status.json, and every rank exits with HANG_EXIT_CODE, which the Slurm path requeues.
+A rank whose collective breaks because a peer ended for a hang joins the report (`join_hang`), and a rank that
+died without a word (SIGKILL, the OOM killer) is named by its missing heartbeat (`vanished`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from clustertrain.config.schema import WatchdogConfig
+from clustertrain.files import write_atomic
+from clustertrain.run_dir import RunDir
+
+HANG_EXIT_CODE = 76  # the watchdog ended a hung run: requeue it, it resumes from its last checkpoint
+STALE_BEATS = 2.5  # a heartbeat unchanged for this many periods is stale: its rank is stopped, dead or cut off
+_WAITING_IN = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/")  # a main thread here waits on peers
+
+
+class Watchdog:
+    """One rank's watchdog. The trainer names each phase as it enters it (`phase`), reports finished steps
+    (`step_done`), starts the heartbeat files once the run has started (`start_beating`) and closes it last.
+
+    Example:
+        >>> watchdog = Watchdog(config.watchdog, RunDir(run_dir), rank=0, world_size=2, on_hang=record)
+        >>> watchdog.phase("step", 1)
+    """
+
+    def __init__(self, config: WatchdogConfig, run: RunDir, rank: int, world_size: int,
+                 on_hang: Callable[[dict[str, Any]], None], nccl: bool = False):
+        self.config, self.run, self.rank, self.world_size = config, run, rank, world_size
+        self.on_hang, self.nccl = on_hang, nccl
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.step_s: deque[float] = deque(maxlen=100)
+        # (name, step, wall-clock start, monotonic start): one tuple, replaced whole, read by the thread
+        self._phase: tuple[str, int, float, float] = ("start-up", 0, time.time(), time.monotonic())
+        self._hang_began = 0.0
+        # Heartbeats older than this are an earlier launch's: every rank's watchdog starts after the process group,
+        # so after every rank of this launch has started (a few seconds allowed for clocks across hosts).
+        self._launched = time.time() - 2.0
+        self.beating = False
+        self.hung = False
+        self._main = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="clustertrain-watchdog", daemon=True)
+        if config.enabled:
+            self._thread.start()
+
+    # ---- what the main thread says -----------------------------------------------------------------
+    def phase(self, name: str, step: int | None = None) -> None:
+        """The main thread enters phase `name` (see `timeout`), at `step` if given."""
+        self._phase = (name, self._phase[1] if step is None else step, time.time(), time.monotonic())
+
+    def step_done(self) -> None:
+        """The step phase that began at the last `phase` call ended: its duration feeds the median."""
+        self.step_s.append(time.monotonic() - self._phase[3])
+
+    def timeout(self, name: str) -> float | None:
+        """Seconds phase `name` may last; None: no limit (rank 0 prepares data and reports on that itself)."""
+        c = self.config
+        if name == "step":
+            median = statistics.median(self.step_s) if self.step_s else 0.0
+            return max(c.step_timeout_s, c.step_timeout_factor * median)
+        return {"start-up": c.startup_timeout_s, "first step": c.first_step_timeout_s, "evaluation": c.eval_timeout_s,
+                "checkpoint save": c.save_timeout_s, "closing": c.save_timeout_s}.get(name)
+
+    def start_beating(self) -> None:
+        """Write heartbeat files from now on (the run holds its directory: a refused start writes none)."""
+        if self.config.enabled:
+            self.beating = True
+            self._beat("running")
+
+    def close(self) -> None:
+        """Stop the thread; the last heartbeat says this rank ended (so its peers do not take it for dead)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.beating and not self.hung:
+            with contextlib.suppress(OSError):
+                self._beat("ended")
+            self.beating = False
+
+    # ---- the thread ----------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        period = self.config.heartbeat_s
+        next_beat = 0.0
+        while not self._stop.wait(min(1.0, period / 2)):
+            now = time.monotonic()
+            if self.beating and now >= next_beat:
+                with contextlib.suppress(OSError):  # a full or slow disk must not end the run; a hang will
+                    self._beat("running")
+                next_beat = now + period
+            name, _, _, started = self._phase
+            limit = self.timeout(name)
+            if limit is not None and now - started > limit:
+                self._end_hung(f"{now - started:.0f} s in {self._phase_name()} (limit {limit:.0f} s)")
+
+    def _phase_name(self) -> str:
+        name, step, _, _ = self._phase
+        return f"{name} {step}" if name in ("step", "first step") else name
+
+    def _beat(self, state: str) -> None:
+        where, waiting = self._main_frame()
+        name, step, since, _ = self._phase
+        beat = {"rank": self.rank, "host": self.host, "pid": self.pid, "state": state, "step": step,
+                "phase": name, "phase_started": since, "time": time.time(), "where": where,
+                "waiting": waiting, "step_s": statistics.median(self.step_s) if self.step_s else None,
+                "period_s": self.config.heartbeat_s}
+        path = self.run.heartbeat(self.rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, json.dumps(beat) + "\n")
+
+    def _stacks(self) -> str:
+        """Every thread's Python stack, the main thread's first."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        frames = sys._current_frames()
+        return "\n".join(f"Thread {names.get(ident, ident)} (most recent call last):\n"
+                         + "".join(traceback.format_stack(frames[ident]))
+                         for ident in sorted(frames, key=lambda ident: ident != self._main))
+
+    def _main_frame(self) -> tuple[str, bool]:
+        """Where the main thread is (its innermost frame, and the innermost of clustertrain's below it when that
+        differs) and whether it waits in a collective."""
+        frame = sys._current_frames().get(self._main)
+        if frame is None:
+            return "?", False
+        ours = next((f for f in _outward(frame) if "/clustertrain/" in f.f_code.co_filename), None)
+        where = _describe(frame) + (f", from {_describe(ours)}" if ours not in (None, frame) else "")
+        return where, any(part in frame.f_code.co_filename for part in _WAITING_IN)
+
+    # ---- a hang --------------------------------------------------------------------------------------
+    def join_hang(self) -> None:
+        """Called by the main thread on its way out with an error: if this rank or a peer ended for a hang (the
+        error is the broken collective that caused), end as part of that hang instead; else return."""
+        if not self.beating:
+            return
+        if self.hung:
+            while True:  # the watchdog thread ends the process
+                time.sleep(1)
+        if any(b.get("state") == "hung" and b.get("time", 0) >= self._launched
+               for b in read_beats(self.run, self.world_size).values()):
+            self._end_hung(f"a peer ended for a hang while this rank was in {self._phase_name()}")
+
+    def _end_hung(self, why: str) -> None:
+        """Write this rank's stacks, wait for the others', report (the lowest live rank) and exit HANG_EXIT_CODE."""
+        self.hung = True
+        self._hang_began = time.time()
+        self.run.hang.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            self.run.hang_stacks(self.rank).write_text(
+                f"rank {self.rank} on {self.host} (pid {self.pid}): {why}\n\n{self._stacks()}")
+            if self.nccl:
+                _dump_flight_recorder(self.run.hang / f"flight-rank-{self.rank:05d}.pkl")
+        with contextlib.suppress(OSError):
+            self._beat("hung")
+        beats, stale = self._wait_for_peers()
+        report = diagnose(beats, stale, self.world_size, self.rank, why)
+        if self.rank == min(set(range(self.world_size)) - set(stale) - {r for r, b in beats.items()
+                                                                         if b.get("state") == "ended"}):
+            since = self._hang_began - (STALE_BEATS + 2) * self.config.heartbeat_s  # this hang's, not an earlier one's
+            report["stacks"] = sorted(p.name for p in self.run.hang.glob("rank-*.txt") if p.stat().st_mtime >= since)
+            with contextlib.suppress(Exception):  # the report must not stop the exit
+                write_atomic(self.run.hang_report, json.dumps(report, indent=1) + "\n")
+                self.on_hang(report)
+            print(f"error: {report['line']}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(HANG_EXIT_CODE)
+
+    def _wait_for_peers(self) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """Read the heartbeats until every other rank is hung, ended or stale; returns them and the stale ranks."""
+        period = self.config.heartbeat_s
+        deadline = time.monotonic() + (STALE_BEATS + 1) * period
+        watch = _Staleness(STALE_BEATS * period)
+        while True:
+            beats = read_beats(self.run, self.world_size)
+            stale = watch.update(beats, self.rank)
+            pending = [r for r in range(self.world_size) if r != self.rank and r not in stale
+                       and beats.get(r, {}).get("state") not in ("hung", "ended")]
+            if not pending or time.monotonic() > deadline:
+                return beats, stale
+            time.sleep(min(0.5, period / 4))
+
+    def vanished(self) -> str | None:
+        """Rank 0, when a connection broke and no rank said why: the ranks that died without a word, named by their
+        heartbeats (a dead pid on this host, or no beat for STALE_BEATS periods); None if none is found."""
+        if not self.beating:
+            return None
+        watch = _Staleness(STALE_BEATS * self.config.heartbeat_s)
+        deadline = time.monotonic() + (STALE_BEATS + 1) * self.config.heartbeat_s
+        while time.monotonic() < deadline:
+            beats = read_beats(self.run, self.world_size)
+            stale = watch.update(beats, self.rank)
+            dead = [r for r, b in beats.items() if r != self.rank and b.get("host") == self.host
+                    and b.get("state") == "running" and not _pid_alive(b.get("pid"))]
+            gone = sorted(set(dead) | {r for r in stale if beats.get(r, {}).get("state") == "running"})
+            if gone:
+                return "; ".join(f"rank {r} ({_host_pid(beats[r])}) died without a word (its last heartbeat, "
+                                 f"{_age(beats[r])} s ago, in {_phase_of(beats[r])}; killed? out of memory? see "
+                                 "`dmesg` on its host)" for r in gone)
+            if all(b.get("state") != "running" for r, b in beats.items() if r != self.rank):
+                return None  # every peer said how it ended
+            time.sleep(min(0.5, self.config.heartbeat_s / 4))
+        return None
+
+
+class _Staleness:
+    """Which ranks' heartbeats have not changed for `after_s` seconds of this rank's clock (no clocks compared
+    across hosts); a rank without a heartbeat file counts from the first look."""
+
+    def __init__(self, after_s: float):
+        self.after_s = after_s
+        self.seen: dict[int, tuple[Any, float]] = {}
+
+    def update(self, beats: dict[int, dict[str, Any]], me: int) -> list[int]:
+        now = time.monotonic()
+        stale = []
+        for rank in {*beats, *self.seen} - {me}:
+            beat_time = beats.get(rank, {}).get("time")
+            last, since = self.seen.get(rank, (beat_time, now))
+            if beat_time != last:
+                since = now
+            self.seen[rank] = (beat_time, since)
+            if now - since >= self.after_s and beats.get(rank, {}).get("state") != "ended":
+                stale.append(rank)
+        return sorted(stale)
+
+
+def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int, me: int, why: str
+             ) -> dict[str, Any]:
+    """Who is stuck, from every rank's last heartbeat: ranks that stopped beating; else ranks outside a
+    collective while others wait in one; else the ranks behind the others' step; else none (all wait)."""
+    missing = [r for r in range(world_size) if r not in beats]
+    silent = sorted({*stale, *missing})
+    live = {r: b for r, b in beats.items() if r not in silent}
+    busy = [r for r, b in live.items() if not b.get("waiting")]
+    waiting = [r for r, b in live.items() if b.get("waiting")]
+    steps = {b.get("step", 0) for b in live.values()}
+    mine = beats.get(me, {})
+    if silent:
+        stuck = silent
+        what = "; ".join(f"rank {r} ({_host_pid(beats[r])}) stopped beating {_age(beats[r])} s ago, in "
+                         f"{_phase_of(beats[r])}" if r in beats else f"rank {r} never beat" for r in silent)
+        what += " (stopped, killed, or its node hangs)"
+    elif busy and waiting:
+        stuck = sorted(busy)
+        what = "; ".join(f"rank {r} ({_host_pid(live[r])}) is stuck in {_phase_of(live[r])} at {live[r]['where']}"
+                         for r in stuck) + f", while {_ranks(waiting)} {_verb(waiting, 'waits', 'wait')} in a collective"
+    elif len(steps) > 1:
+        stuck = sorted(r for r, b in live.items() if b.get("step", 0) == min(steps))
+        what = f"{_ranks(stuck)} {_verb(stuck, 'is', 'are')} behind, in step {min(steps)}, the others in step {max(steps)}"
+    else:
+        stuck = []
+        what = "every rank waits in a collective (a deadlock or a network fault: see the stacks)"
+    hosts = sorted({beats[r]["host"] for r in stuck if r in beats and beats[r].get("host")})
+    return {"time": time.time(), "line": f"hang: {what}; rank {me} waited {why}; stacks in the run's hang/ folder",
+            "stuck_ranks": stuck, "stuck_hosts": hosts, "phase": mine.get("phase"), "step": mine.get("step"),
+            "reporter": me}
+
+
+def read_beats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
+    """Every rank's last heartbeat that can be read, by rank."""
+    beats = {}
+    for rank in range(world_size):
+        with contextlib.suppress(OSError, ValueError):
+            beat = json.loads(run.heartbeat(rank).read_text())
+            if isinstance(beat, dict):
+                beats[rank] = beat
+    return beats
+
+
+def _outward(frame: FrameType | None):
+    while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _describe(frame: FrameType) -> str:
+    path = frame.f_code.co_filename
+    for root in ("/clustertrain/", "/torch/", "/site-packages/"):
+        if root in path:
+            path = path[path.rindex(root) + 1:]
+            break
+    return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _host_pid(beat: dict[str, Any]) -> str:
+    return f"host {beat.get('host', '?')}, pid {beat.get('pid', '?')}"
+
+
+def _phase_of(beat: dict[str, Any]) -> str:
+    phase = beat.get("phase", "?")
+    return f"{phase} {beat.get('step')}" if phase in ("step", "first step") else str(phase)
+
+
+def _age(beat: dict[str, Any]) -> str:
+    return f"{max(0.0, time.time() - beat.get('time', time.time())):.0f}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
+
+
+def _verb(ranks: list[int], one: str, many: str) -> str:
+    return one if len(ranks) == 1 else many
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, TypeError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError, IndexError):  # a zombie has died; its parent has not yet reaped it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _dump_flight_recorder(path: Path) -> None:
+    """NCCL's flight recorder: the last collectives each communicator ran, for torch's fr_trace analyzer."""
+    with contextlib.suppress(Exception):  # absent in some builds; the Python stacks are written regardless
+        import torch
+
+        path.write_bytes(torch._C._distributed_c10d._dump_nccl_trace())
