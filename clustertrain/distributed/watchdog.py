@@ -38,6 +38,7 @@ from clustertrain.run_dir import RunDir
 
 HANG_EXIT_CODE = 76  # the watchdog ended a hung run: requeue it, it resumes from its last checkpoint
 STALE_BEATS = 2.5  # a heartbeat unchanged for this many periods is stale: its rank is stopped, dead or cut off
+VANISHED_WAIT_S = 5.0  # how long rank 0 looks for a dead peer before it reports: launchers end it soon after
 _WAITING_IN = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/")  # a main thread here waits on peers
 
 
@@ -208,24 +209,26 @@ class Watchdog:
 
     def vanished(self) -> str | None:
         """Rank 0, when a connection broke and no rank said why: the ranks that died without a word, named by their
-        heartbeats (a dead pid on this host, or no beat for STALE_BEATS periods); None if none is found."""
+        heartbeats within VANISHED_WAIT_S (a dead pid on this host; a rank still "running" once every other one
+        has ended; a heartbeat gone stale); None if none is found by then."""
         if not self.beating:
             return None
         watch = _Staleness(STALE_BEATS * self.config.heartbeat_s)
-        deadline = time.monotonic() + (STALE_BEATS + 1) * self.config.heartbeat_s
+        deadline = time.monotonic() + min(VANISHED_WAIT_S, (STALE_BEATS + 1) * self.config.heartbeat_s)
         while time.monotonic() < deadline:
             beats = read_beats(self.run, self.world_size)
             stale = watch.update(beats, self.rank)
-            dead = [r for r, b in beats.items() if r != self.rank and b.get("host") == self.host
-                    and b.get("state") == "running" and not _pid_alive(b.get("pid"))]
-            gone = sorted(set(dead) | {r for r in stale if beats.get(r, {}).get("state") == "running"})
+            running = [r for r, b in beats.items() if r != self.rank and b.get("state") == "running"]
+            dead = [r for r in running if beats[r].get("host") == self.host and not _pid_alive(beats[r].get("pid"))]
+            others_ended = len(beats) == self.world_size and len(running) == 1
+            gone = sorted({*dead, *(r for r in stale if r in running), *(running if others_ended else ())})
             if gone:
                 return "; ".join(f"rank {r} ({_host_pid(beats[r])}) died without a word (its last heartbeat, "
                                  f"{_age(beats[r])} s ago, in {_phase_of(beats[r])}; killed? out of memory? see "
                                  "`dmesg` on its host)" for r in gone)
-            if all(b.get("state") != "running" for r, b in beats.items() if r != self.rank):
+            if not running:
                 return None  # every peer said how it ended
-            time.sleep(min(0.5, self.config.heartbeat_s / 4))
+            time.sleep(min(0.2, self.config.heartbeat_s / 4))
         return None
 
 
