@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 8 -m clustertrain train configs/tiny-llama.yaml
     srun -N 2 --ntasks-per-node 8 clustertrain train configs/tiny-llama.yaml
     clustertrain verify configs/tiny-llama.yaml --nproc 2 --set parallel.strategy=zero3  # losses match 1 rank
+    srun -N 2 --ntasks-per-node 8 clustertrain doctor configs/tiny-llama.yaml   # every rank checked, slow ones named
     clustertrain config show configs/tiny-llama.yaml
     clustertrain tokenizer train configs/tiny-llama.yaml tokenizers/code-4k
     clustertrain data audit runs/tiny-llama
@@ -12,6 +13,7 @@
     clustertrain import path/to/hf-model checkpoints/start      # a checkpoint to start from (--resume PATH)
     clustertrain slurm submit configs/tiny-llama.yaml --set slurm.nodes=2   # sbatch, requeued until done
     clustertrain slurm status runs/tiny-llama
+    clustertrain status runs/tiny-llama                       # state, heartbeats, slowest rank, a hang, retries
     clustertrain plot runs/tiny-llama                         # loss and tokens/s curves as a PNG
 """
 
@@ -26,19 +28,21 @@ import sys
 from clustertrain.errors import UserError
 from clustertrain.torch_check import installed_torch, torch_problem
 
-WITHOUT_TORCH = {"download", "config", "slurm", "env", "plot"}  # login-node commands: they never import torch
+# Login-node commands: they never import torch.
+WITHOUT_TORCH = {"download", "config", "slurm", "env", "plot", "status"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clustertrain.cli import (config_cmd, data_cmd, download_cmd, env_cmd, eval_cmd, export_cmd, generate_cmd,
-                                  plan_cmd, plot_cmd, slurm_cmd, tokenizer_cmd, train_cmd, verify_cmd)
+    from clustertrain.cli import (config_cmd, data_cmd, doctor_cmd, download_cmd, env_cmd, eval_cmd, export_cmd,
+                                  generate_cmd, plan_cmd, plot_cmd, slurm_cmd, status_cmd, tokenizer_cmd, train_cmd,
+                                  verify_cmd)
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (train_cmd, verify_cmd, config_cmd, plan_cmd, data_cmd, tokenizer_cmd, export_cmd, generate_cmd,
-                   eval_cmd, download_cmd, slurm_cmd, env_cmd, plot_cmd):
+    for module in (train_cmd, verify_cmd, doctor_cmd, config_cmd, plan_cmd, data_cmd, tokenizer_cmd, export_cmd,
+                   generate_cmd, eval_cmd, download_cmd, slurm_cmd, status_cmd, env_cmd, plot_cmd):
         module.add_parser(commands)
     return parser
 
@@ -80,7 +84,9 @@ def _main(argv: list[str] | None) -> int:
         from clustertrain.distributed.env import is_rank0
         from clustertrain.train.metrics import print_best_effort
 
-        if (is_rank0() or getattr(args, "log_all_ranks", False)) and not shown:
+        # A login-node command is one process, and asking torch would import it (seconds, or missing there).
+        rank0 = args.command in WITHOUT_TORCH or is_rank0()
+        if (rank0 or getattr(args, "log_all_ranks", False)) and not shown:
             # A closed stderr must not turn the exit code that says what happened into a traceback's 1.
             print_best_effort(f"error: {e}", sys.stderr)
         return e.exit_code

@@ -2,6 +2,7 @@
 
     clustertrain slurm render configs/frontier-llama.yaml              # print the sbatch script
     clustertrain slurm submit configs/frontier-llama.yaml --set slurm.nodes=4
+    clustertrain slurm submit configs/frontier-llama.yaml --doctor     # `clustertrain doctor` first (docs/doctor.md)
     clustertrain slurm status runs/frontier-llama                      # jobs, checkpoint, progress, ETA
     clustertrain slurm submit configs/opt-pp-lora-cpu.yaml --scaling 1,2,4,8 --steps 30  # one job per node count
     clustertrain slurm scaling runs/opt-pp-lora-cpu                    # their tokens/s, efficiency, a PNG
@@ -32,6 +33,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("config", nargs="?", help="YAML or TOML config; omit for the embedded default")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. slurm.nodes=4")
+        p.add_argument("--doctor", action="store_true", help="run `clustertrain doctor` on every rank before "
+                       "training (sets slurm.doctor); a failure stops the job, its findings in <run_dir>/doctor.json")
         if name == "render":
             p.add_argument("-o", "--output", help="write the script here instead of printing it")
         else:
@@ -62,8 +65,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     end.add_argument("--signalled", type=int, choices=(0, 1), default=0, help="1 if Slurm warned the job")
     end.add_argument("--on-stop", choices=("requeue", "dependency", "none"), required=True)
     end.add_argument("--max-restarts", type=int, required=True)
+    end.add_argument("--max-start-retries", type=int, default=0, help="retries of a run that failed before its "
+                     "first step (a script rendered before this option: none)")
     end.set_defaults(run=lambda a: _jobs().job_end(a.run_dir, a.exit_code, bool(a.signalled), a.on_stop,
-                                                 a.max_restarts))
+                                                 a.max_restarts, a.max_start_retries))
 
 
 def _jobs():
@@ -74,6 +79,9 @@ def _jobs():
 
 def _load(args: argparse.Namespace):
     from clustertrain.model.spec import load_checked_config
+
+    if getattr(args, "doctor", False):
+        args.set = [*args.set, "slurm.doctor=true"]  # the job script passes it on to the doctor and train steps
 
     return load_checked_config(args.config, args.set)
 
@@ -140,7 +148,6 @@ def run_scaling(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
     from rich.text import Text
 
     from clustertrain.checkpoint.dcp import latest_checkpoint
@@ -161,19 +168,8 @@ def run_status(args: argparse.Namespace) -> int:
     def say(label: str, text: str) -> None:
         console.print(Text.assemble((label, "bold"), " ", text))
 
-    table = Table("job", "restart", "state", "started", "ended", "exit", "nodes", box=None)
-    live = jobs.job_states(jobs.job_ids(chain))
-    for job_id in jobs.job_ids(chain):
-        events = [e for e in chain if e.get("job_id") == job_id]
-        starts = [e for e in events if e["event"] == "started"] or [{}]
-        ends = [e for e in events if e["event"] == "ended"]
-        for i, start in enumerate(starts):
-            end = ends[i] if i < len(ends) else {}
-            state = live.get(job_id) if i == len(starts) - 1 and job_id in live else end.get("outcome", "?")
-            table.add_row(job_id, str(start.get("restart", "-")), state, _clock(start.get("time")),
-                          _clock(end.get("time")), str(end.get("exit_code", "")), start.get("nodes") or "")
     say("run", str(run_dir.resolve()))
-    console.print(table)
+    console.print(job_table(jobs.job_rows(chain)))
     status = read_status(run_dir) or {}
     if status:
         detail = status.get("reason") or status.get("error") or ""
@@ -196,6 +192,20 @@ def run_status(args: argparse.Namespace) -> int:
     if started:
         say("log", f"tail -f {run.job_log(started[-1]['job_id'])}")
     return 0
+
+
+def job_table(rows: list[dict]):
+    """The job chain (launch.jobs.job_rows) as the table `slurm status` and `status` print: one row per start; the
+    nodes kept off the next start in a last column, when any were."""
+    from rich.table import Table
+
+    excluded = any(row["excluded"] for row in rows)
+    table = Table("job", "restart", "state", "started", "ended", "exit", "nodes", *(["excluded"] * excluded), box=None)
+    for row in rows:
+        table.add_row(row["job"], str(row["restart"]), str(row["state"]), _clock(row["started"]), _clock(row["ended"]),
+                      "" if row["exit_code"] is None else str(row["exit_code"]), row["nodes"] or "",
+                      *([row["excluded"] or ""] * excluded))
+    return table
 
 
 def _clock(timestamp: float | None) -> str:

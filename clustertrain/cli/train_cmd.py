@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -46,11 +47,18 @@ def _run(args: argparse.Namespace, early: EarlySignals) -> int:
         argv = ["train", *([args.config] if args.config else []), *(f"--set={o}" for o in overrides)]
         return spawn_local(args.nproc, argv + (["--log-all-ranks"] if args.log_all_ranks else []), early)
 
+    from clustertrain.launch.slurm import rank_start_warnings
+
+    for line in rank_start_warnings(args.config, config.slurm, os.environ):  # a rank started by hand on a cluster
+        print(line, file=sys.stderr, flush=True)
+
     from clustertrain.distributed.stop import Preempted
     from clustertrain.distributed.env import is_rank0
+    from clustertrain.distributed.faults import fail_start
     from clustertrain.train.metrics import print_best_effort
     from clustertrain.train.trainer import Trainer
 
+    fail_start()  # tests only: CLUSTERTRAIN_FAULT="start@RANK:RESTART=CODE", a start that fails (docs/slurm.md)
     try:
         summary = Trainer(config).run()
     except Preempted as stop:

@@ -113,6 +113,11 @@ class SlurmConfig(Section):
         "id (scontrol requeue), submit a follow-up job that depends on it, or leave it stopped."
     )
     max_restarts: int = Field(20, ge=0, description="Give up after this many restarts of one submission (a crash loop).")
+    max_start_retries: int = Field(
+        2, ge=0, description="Retry a job whose run failed before its first step (a rendezvous or NCCL "
+        "initialisation timeout, a node that did not come up) this many times in a row, without the nodes "
+        "`clustertrain doctor` named; 0: never. Exit code 2 (a bad config or file) is never retried."
+    )
     modules: list[str] = Field(default_factory=list, description="Modules to load after the preset's.")
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment for the job, after the preset's; ${NAME} expands, nothing else "
@@ -125,6 +130,11 @@ class SlurmConfig(Section):
         default_factory=dict, description="More sbatch options, e.g. {constraint: nvme, mail-type: END}."
     )
     python: str | None = Field(None, description="Python that runs clustertrain on the nodes; default: the one rendering.")
+    doctor: bool = Field(
+        False, description="Run `clustertrain doctor` as a job step before training (as `slurm submit --doctor` "
+        "does): every rank's software, environment, files, matmul speed and links; a failure stops the job before "
+        "it trains, its findings in <run_dir>/doctor.json (see docs/doctor.md)."
+    )
 
     @model_validator(mode="after")
     def _checks(self) -> SlurmConfig:

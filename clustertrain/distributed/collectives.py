@@ -9,11 +9,14 @@ on a tensor it built itself (tests/unit/distributed/test_collectives.py reads th
     set_rank_device(device)                               # once, when the process group starts
     tokens = all_reduce(local_tokens, group=mesh.dp_group)  # a tensor on the group's device
     peak_gb, = reduce_values([memory_gb], op="max")        # Python numbers in, Python floats out
+    seconds = time_collective("all_reduce", 2**20, group)   # `clustertrain doctor`'s bus bandwidth
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -90,3 +93,62 @@ def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
     parts = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, parts, dst=dst)
     return parts
+
+
+# ---- timed collectives, for `clustertrain doctor` (clustertrain/doctor/measure.py) ----
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_collective(kind: str, nbytes: int, group: dist.ProcessGroup | None = None, repeats: int = 5,
+                    before: Callable[[], None] = lambda: None) -> float:
+    """Median seconds of one `kind` ("all_reduce" or "all_gather") of `nbytes` in all over `group` (all_gather:
+    the gathered tensor, each rank adding its share), on the group's device, after one untimed warm-up.
+    `before` runs ahead of each timed call (a test's injected fault)."""
+    device, size = group_device(group), dist.get_world_size(group)
+    numel = max(1, nbytes // 4 // size) * (size if kind == "all_gather" else 1)
+    out = torch.zeros(numel, dtype=torch.float32, device=device)
+    part = out[: numel // size] if kind == "all_gather" else out
+    # all_gather_single replaces all_gather_into_tensor in newer torch (which warns of the old name)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    call = (lambda: dist.all_reduce(out, group=group)) if kind == "all_reduce" else (
+        lambda: gather(out, part.clone(), group=group))
+    call()
+    seconds = []
+    for _ in range(repeats):
+        before()
+        _sync(device)
+        start = time.perf_counter()
+        call()
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def time_exchange(peer: int, nbytes: int, first: bool, repeats: int = 10,
+                  before: Callable[[], None] = lambda: None) -> tuple[float, float]:
+    """Ping-pong `nbytes` with global rank `peer` (`first`: this rank sends first) on this rank's device: the
+    fastest (round trip, own turn: `before` and this rank's send) in seconds, after one untimed warm-up. The
+    fastest, because other processes only ever add time; a slow link or NIC is slow every time."""
+    device = _rank_device
+    buffer = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    trips, turns = [], []
+    for i in range(repeats + 1):
+        if not first:
+            dist.recv(buffer, src=peer)
+        _sync(device)
+        start = time.perf_counter()
+        if i:
+            before()
+        dist.send(buffer, dst=peer)
+        _sync(device)
+        sent = time.perf_counter()
+        if first:
+            dist.recv(buffer, src=peer)
+            _sync(device)
+        if i:
+            turns.append(sent - start)
+            trips.append(time.perf_counter() - start)
+    return min(trips), min(turns)

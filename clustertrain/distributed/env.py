@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,12 @@ def is_rank0() -> bool:
         return detect_launcher().rank == 0
     except UserError:
         return True
+
+
+def node_name(environ: Mapping[str, str] | None = None) -> str:
+    """This node's name as Slurm knows it (SLURMD_NODENAME, what `--exclude` takes), else the host name."""
+    env = os.environ if environ is None else environ
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> RankInfo:

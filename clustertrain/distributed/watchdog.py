@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -33,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from clustertrain.config.schema import WatchdogConfig
+from clustertrain.distributed.env import node_name
 from clustertrain.files import write_atomic
 from clustertrain.run_dir import RunDir
 
@@ -55,7 +55,7 @@ class Watchdog:
                  on_hang: Callable[[dict[str, Any]], None], nccl: bool = False):
         self.config, self.run, self.rank, self.world_size = config, run, rank, world_size
         self.on_hang, self.nccl = on_hang, nccl
-        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.host, self.pid = node_name(), os.getpid()
         self.step_s: deque[float] = deque(maxlen=100)
         # (name, step, wall-clock start, monotonic start): one tuple, replaced whole, read by the thread
         self._phase: tuple[str, int, float, float] = ("start-up", 0, time.time(), time.monotonic())

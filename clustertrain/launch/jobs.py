@@ -3,7 +3,8 @@
 The chain is `<run_dir>/slurm/jobs.jsonl`, one event per line: `submitted` (by `slurm submit`),
 `started` and `ended` (by the job script, through `slurm job-start` / `slurm job-end`). Restarts are
 the `started` events after the last `submitted`, so Slurm's own requeues (node failure, preemption)
-count as well as ours.
+count as well as ours. A job whose run failed before its first step is `retried` (slurm.max_start_retries in a
+row), without the nodes `clustertrain doctor` or the hang watchdog named where the partition can spare them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,14 +24,17 @@ from typing import Any
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
 from clustertrain.data.readers import BadData, parse_object
-from clustertrain.errors import DataError, LaunchError
-from clustertrain.launch.slurm import render_script
+from clustertrain.distributed.env import expand_hostlist
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.distributed.watchdog import HANG_EXIT_CODE
+from clustertrain.errors import DataError, LaunchError, UserError
+from clustertrain.launch.slurm import render_script
 from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import json_value
 from clustertrain.train.status import read_status
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+USER_ERROR_EXIT_CODE = UserError.exit_code  # a bad config or a missing file: the user's to fix, never retried
 
 
 def record(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
@@ -44,7 +49,7 @@ def record(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
 
 # The type of each field an event may have, as record() writes them; "event" and "job_id" are in every event.
 _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
-    **{key: ((str,), "string") for key in ("event", "job_id", "next_job", "outcome", "script")},
+    **{key: ((str,), "string") for key in ("event", "job_id", "next_job", "outcome", "script", "excluded")},
     "nodes": ((str, type(None)), "string or null"), "time": ((int, float), "number"),
     "restart": ((int,), "whole number"), "exit_code": ((int,), "whole number"), "signalled": ((bool,), "boolean"),
 }
@@ -91,6 +96,24 @@ def restarts(chain: list[dict[str, Any]]) -> int:
     return max(0, sum(e["event"] == "started" for e in chain[last_submit + 1:]) - 1)
 
 
+def start_retries(chain: list[dict[str, Any]]) -> int:
+    """How many jobs of the current submission in a row, up to the last one that ended, failed before their run's
+    first step and were retried."""
+    count = 0
+    for event in reversed(chain):
+        if event["event"] == "submitted" or (event["event"] == "ended" and event.get("outcome") != "retried"):
+            break
+        count += event["event"] == "ended"
+    return count
+
+
+def excluded_nodes(chain: list[dict[str, Any]]) -> list[str]:
+    """The nodes the current submission's jobs were kept off, in the order they were excluded."""
+    last_submit = max((i for i, e in enumerate(chain) if e["event"] == "submitted"), default=-1)
+    nodes = [n for e in chain[last_submit + 1:] if e.get("excluded") for n in e["excluded"].split(",")]
+    return list(dict.fromkeys(nodes))
+
+
 # ---- submit -----------------------------------------------------------------------------------------
 def submit(config: RunConfig, workdir: Path, source: str) -> tuple[str, Path]:
     """Write the config snapshot and job script into the run directory and sbatch it; returns (job id, script)."""
@@ -131,17 +154,24 @@ def job_start(run_dir: Path, max_restarts: int, env: Mapping[str, str] = os.envi
 
 @dataclass(frozen=True)
 class Decision:
-    outcome: str  # finished | requeue | gave-up | stopped | failed
+    outcome: str  # finished | requeue | retry | gave-up | stopped | failed
     message: str
+    exclude: tuple[str, ...] = ()  # hosts to keep the next start off (a retry, or a requeue after a hang)
+    named_by: str = ""  # who named them, for the job log
 
 
 def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_id: str, restart: int,
-           restarts_so_far: int, max_restarts: int, on_stop: str) -> Decision:
+           restarts_so_far: int, max_restarts: int, on_stop: str, *, start_retries: int = 0,
+           max_start_retries: int = 0, bad_hosts: Sequence[str] = ()) -> Decision:
     """What a job does at its end, from the run's status, the training step's exit code and Slurm's warning.
 
-    A run is requeued when it saved and stopped on purpose (status `preempted`, exit 75), or when Slurm
-    warned the job and the run neither finished nor failed with an error of its own (the warning can
-    come before the ranks listen for it).
+    A run is requeued when it saved and stopped on purpose (status `preempted`, exit 75), when the watchdog
+    ended it for a hang (status `hung`: without its stuck hosts), or when Slurm warned the job and the run
+    neither finished nor failed with an error of its own (the warning can come before the ranks listen for it).
+    A job that failed before its run started (no status.json of this job, or one that says `before_start`; any
+    exit code but the user's 2) is
+    retried, `max_start_retries` times in a row at most, without the hosts `clustertrain doctor` named
+    (`bad_hosts`). Requeues and retries both count against `max_restarts`.
     """
     mine = bool(status) and status.get("slurm_job_id") == job_id and status.get("slurm_restart", 0) == restart
     state = status.get("state") if mine else None
@@ -150,55 +180,146 @@ def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_i
     if state == "stopped" and exit_code == 0:
         return Decision("stopped", f"stopped at step {status.get('step')} as train.stop_after_steps asks; "
                                    "not requeued")
-    if state == "preempted" or exit_code == REQUEUE_EXIT_CODE or (signalled and state != "failed"):
-        why = (f"stopped by {status.get('reason')} at step {status.get('step')}" if state == "preempted"
-               else "stopped by Slurm's warning signal")
-        if on_stop == "none":
-            return Decision("stopped", f"{why}; not requeued (slurm.requeue: none)")
-        if restarts_so_far >= max_restarts:
-            return Decision("gave-up", f"{why}; not requeued: {restarts_so_far} restarts reached "
-                                       f"slurm.max_restarts = {max_restarts}")
-        return Decision("requeue", f"{why}; requeue {restarts_so_far + 1} of at most {max_restarts}")
-    error = status.get("error") if mine and state == "failed" else None
-    return Decision("failed", f"training failed with exit code {exit_code}"
-                              + (f": {error}" if error else "") + "; not requeued")
+    exclude, named_by, retry = (), "", False
+    if state == "hung" or (exit_code == HANG_EXIT_CODE and not mine):  # the watchdog's exit, its report lost
+        why = (f"the run hung at step {status.get('step')}" + (f" ({status['error']})" if status.get("error") else "")
+               if state == "hung" else f"the watchdog ended a hang (exit code {HANG_EXIT_CODE})")
+        exclude, named_by = _hosts(status.get("stuck_hosts") if mine else None, bad_hosts), "the hang watchdog"
+    elif state == "preempted":
+        why = f"stopped by {status.get('reason')} at step {status.get('step')}"
+    elif exit_code == REQUEUE_EXIT_CODE or (signalled and state != "failed"):
+        why = "stopped by Slurm's warning signal"
+    elif ((not mine or (state == "failed" and status.get("before_start")))
+          and exit_code not in (0, USER_ERROR_EXIT_CODE) and max_start_retries > 0):
+        why = f"the run failed before its first step (exit code {exit_code}" + (
+            f": {status['error']})" if mine and status.get("error") else ", no status.json of this job)")
+        exclude, named_by, retry = _hosts(bad_hosts), "clustertrain doctor", True
+    else:
+        error = status.get("error") if mine and state == "failed" else None
+        return Decision("failed", f"training failed with exit code {exit_code}"
+                                  + (f": {error}" if error else "") + "; not requeued")
+    if on_stop == "none":
+        return Decision("stopped", f"{why}; not requeued (slurm.requeue: none)")
+    if retry and start_retries >= max_start_retries:
+        return Decision("gave-up", f"{why}; not retried: {start_retries} failed start(s) in a row reached "
+                                   f"slurm.max_start_retries = {max_start_retries}")
+    if restarts_so_far >= max_restarts:
+        return Decision("gave-up", f"{why}; not requeued: {restarts_so_far} restarts reached "
+                                   f"slurm.max_restarts = {max_restarts}")
+    if retry:
+        return Decision("retry", f"{why}; retry {start_retries + 1} of at most {max_start_retries} "
+                                 "(slurm.max_start_retries)", exclude, named_by)
+    return Decision("requeue", f"{why}; requeue {restarts_so_far + 1} of at most {max_restarts}", exclude, named_by)
+
+
+def _hosts(*lists: Any) -> tuple[str, ...]:
+    """The host names in `lists`, each once; whatever is not a list of names counts as none."""
+    names = [h for hosts in lists if isinstance(hosts, (list, tuple)) for h in hosts if isinstance(h, str) and h]
+    return tuple(dict.fromkeys(names))
+
+
+def doctor_bad_hosts(run_dir: Path) -> list[str]:
+    """The hosts `clustertrain doctor` found bad during this job, from <run_dir>/doctor.json: only a report
+    written since the job's `started` event (the last write to the chain before job-end), so an earlier job's
+    findings exclude nothing. Both times are the file system's, so the nodes' clocks do not matter."""
+    run = RunDir(run_dir)
+    try:
+        if run.doctor.stat().st_mtime < run.job_chain.stat().st_mtime:
+            return []
+        report = json.loads(run.doctor.read_text())
+    except (OSError, ValueError, RecursionError):
+        return []
+    return list(_hosts(report.get("bad_hosts") if isinstance(report, dict) else None))
 
 
 def job_end(run_dir: Path, exit_code: int, signalled: bool, on_stop: str, max_restarts: int,
-            env: Mapping[str, str] = os.environ) -> int:
+            max_start_retries: int = 0, env: Mapping[str, str] = os.environ) -> int:
     """Decide, record and act at the end of a job; returns the batch script's exit code."""
     job = env.get("SLURM_JOB_ID", "?")
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     chain = read_chain(run_dir)
-    decision = decide(read_status(run_dir), exit_code, signalled, job, restart, restarts(chain), max_restarts, on_stop)
+    decision = decide(read_status(run_dir), exit_code, signalled, job, restart, restarts(chain), max_restarts, on_stop,
+                      start_retries=start_retries(chain), max_start_retries=max_start_retries,
+                      bad_hosts=doctor_bad_hosts(run_dir))
     print(f"clustertrain: job {job}: {decision.message}", flush=True)
-    fields = dict(job_id=job, restart=restart, exit_code=exit_code, signalled=signalled)
-    if decision.outcome != "requeue":
+    fields: dict[str, Any] = dict(job_id=job, restart=restart, exit_code=exit_code, signalled=signalled)
+    if decision.outcome not in ("requeue", "retry"):
         record(run_dir, "ended", **fields, outcome=decision.outcome)
         if decision.outcome == "finished":
             return 0
         return exit_code if decision.outcome == "stopped" else (exit_code or 1)
+    exclude = _exclusion(job, decision.exclude, decision.named_by) if decision.exclude else []
+    if exclude:
+        fields["excluded"] = ",".join(exclude)
+    outcome = "retried" if decision.outcome == "retry" else "requeued"
     if on_stop == "requeue":
-        # Recorded first: `scontrol requeue` sends this very process SIGTERM.
-        record(run_dir, "ended", **fields, outcome="requeued")
+        # `scontrol requeue` sends this very process (and its children) SIGTERM: ignored, so that the exclusion,
+        # which Slurm takes only once the job is no longer running, and the record still happen. The job cannot
+        # start again before this process has exited.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         result = subprocess.run([_tool("scontrol"), "requeue", job], capture_output=True, text=True)
         if result.returncode == 0:
+            if exclude and not _update_exclusion(job, exclude):
+                del fields["excluded"]
+            record(run_dir, "ended", **fields, outcome=outcome)
             return 0
         print(f"clustertrain: scontrol requeue failed ({' '.join(result.stderr.split())}); "
               "submitting a follow-up job instead", flush=True)
-    next_job = _submit_follow_up(job)
-    record(run_dir, "ended", **fields, outcome="resubmitted", next_job=next_job)
+    next_job = _submit_follow_up(job, exclude)
+    record(run_dir, "ended", **fields, outcome="resubmitted" if outcome == "requeued" else outcome, next_job=next_job)
     print(f"clustertrain: submitted follow-up job {next_job} (after {job})", flush=True)
     return 0
 
 
-def _submit_follow_up(job: str) -> str:
-    """sbatch the job's own script again, to start once this job has ended."""
+def _exclusion(job: str, hosts: Sequence[str], named_by: str) -> list[str]:
+    """The nodes job `job`'s next start must avoid: those it already avoids, and those of `hosts` that are nodes
+    of its partition (a host name or its short form), unless the partition would then have too few nodes left
+    for the job (Slurm would keep it pending for ever). Says in the job log what it does."""
+    shown = subprocess.run([_tool("scontrol"), "show", "job", "-o", job], capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(\w+)=(\S*)", shown))
+    partition, needed = fields.get("Partition", ""), int(re.match(r"\d*", fields.get("NumNodes", "")).group() or 1)
+    sinfo = shutil.which("sinfo")  # without it no node is known, so none is excluded: the requeue goes on
+    listed = sinfo and subprocess.run([sinfo, "-h", "-N", "-p", partition, "-o", "%N"], capture_output=True, text=True)
+    nodes = set(listed.stdout.split()) if listed and listed.returncode == 0 else set()
+    try:
+        current = [] if fields.get("ExcNodeList", "(null)") == "(null)" else expand_hostlist(fields["ExcNodeList"])
+    except LaunchError:
+        current = []
+    named = [h if h in nodes else h.split(".")[0] for h in hosts]
+    new = [n for n in dict.fromkeys(named) if n in nodes and n not in current]
+    say = f"clustertrain: job {job}:"
+    if unknown := [h for h, n in zip(hosts, named) if n not in nodes]:
+        print(f"{say} not excluding {', '.join(unknown)} (named by {named_by}): not a node of partition "
+              f"{partition or '?'}", flush=True)
+    if not new:
+        return current
+    left = len(nodes - set(current) - set(new))
+    if left < needed:
+        print(f"{say} not excluding {', '.join(new)} (named by {named_by}): partition {partition} would keep "
+              f"{left} node(s) for a job of {needed}", flush=True)
+        return current
+    print(f"{say} excluding {', '.join(new)} (named by {named_by}) from the next start", flush=True)
+    return current + new
+
+
+def _update_exclusion(job: str, nodes: list[str]) -> bool:
+    """Keep the requeued job `job` off `nodes` (Slurm takes ExcNodeList only from a job that is not running)."""
+    result = subprocess.run([_tool("scontrol"), "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        print(f"clustertrain: job {job}: Slurm refused to exclude {','.join(nodes)} "
+              f"({' '.join((result.stderr or result.stdout).split())}); requeued without excluding them", flush=True)
+    return result.returncode == 0
+
+
+def _submit_follow_up(job: str, exclude: list[str]) -> str:
+    """sbatch the job's own script again, to start once this job has ended (off the nodes in `exclude`)."""
     shown = subprocess.run([_tool("scontrol"), "show", "job", "-o", job], capture_output=True, text=True)
     script = re.search(r"\bCommand=(\S+)", shown.stdout)
     if not script:
         raise LaunchError(f"cannot find the script of job {job} to submit it again (scontrol show job {job})")
-    result = subprocess.run([_tool("sbatch"), "--parsable", f"--dependency=afterany:{job}", script[1]],
+    options = [f"--exclude={','.join(exclude)}"] if exclude else []
+    result = subprocess.run([_tool("sbatch"), "--parsable", f"--dependency=afterany:{job}", *options, script[1]],
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise LaunchError(f"sbatch of the follow-up job failed: {' '.join(result.stderr.split())}")
@@ -213,6 +334,25 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
         return {}
     result = subprocess.run([squeue, "-h", "-j", ",".join(job_ids), "-o", "%i %T"], capture_output=True, text=True)
     return dict(line.split(None, 1) for line in result.stdout.splitlines() if line.strip())
+
+
+def job_rows(chain: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per start of each job of the chain (a job not started yet: one row): job, restart, state (Slurm's,
+    for the newest start of a job squeue still knows, else the recorded outcome), started and ended (times), exit
+    code, nodes, and the nodes excluded from the next start."""
+    rows = []
+    live = job_states(job_ids(chain))
+    for job_id in job_ids(chain):
+        events = [e for e in chain if e.get("job_id") == job_id]
+        starts = [e for e in events if e["event"] == "started"] or [{}]
+        ends = [e for e in events if e["event"] == "ended"]
+        for i, start in enumerate(starts):
+            end = ends[i] if i < len(ends) else {}
+            state = live.get(job_id) if i == len(starts) - 1 and job_id in live else end.get("outcome", "?")
+            rows.append({"job": job_id, "restart": start.get("restart", "-"), "state": state,
+                         "started": start.get("time"), "ended": end.get("time"), "exit_code": end.get("exit_code"),
+                         "nodes": start.get("nodes"), "excluded": end.get("excluded")})
+    return rows
 
 
 def job_ids(chain: list[dict[str, Any]]) -> list[str]:

@@ -8,6 +8,7 @@ describe its accelerators (`hardware:`: memory, peak TFLOPS, interconnect bandwi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -57,6 +58,11 @@ class Preset(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     description: str = ""
+    cluster_names: list[str] = Field(
+        default_factory=list, description="Slurm's names of the cluster (SLURM_CLUSTER_NAME): a rank there started "
+        "by hand (srun, torchrun, mpirun) warns of each variable of `env` missing from its environment, and "
+        "`clustertrain doctor` fails on it.",
+    )
     sources: list[str] = Field(default_factory=list, description="Where the values come from.")
     partition: str | None = None
     qos: str | None = None
@@ -78,6 +84,11 @@ class Preset(BaseModel):
         None, description="The nodes' accelerators, for `clustertrain plan` (job scripts do not use it); "
         "unset: unknown.",
     )
+
+
+def on_cluster(preset: Preset, environ: Mapping[str, str]) -> bool:
+    """Whether this process runs on `preset`'s cluster (its SLURM_CLUSTER_NAME is one of `cluster_names`)."""
+    return environ.get("SLURM_CLUSTER_NAME", "").lower() in {name.lower() for name in preset.cluster_names}
 
 
 def builtin_presets() -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -20,7 +21,7 @@ from string import Template
 from clustertrain.config.schema import RunConfig
 from clustertrain.config.slurm_schema import JOB_NAME_MAX, SlurmConfig, control_character
 from clustertrain.errors import ConfigError
-from clustertrain.launch.presets import Preset, load_preset
+from clustertrain.launch.presets import Preset, load_preset, on_cluster
 from clustertrain.run_dir import RunDir
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -128,7 +129,8 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
         sbatch="\n".join(f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)),
         cpu_count=cpu_count, environment=_environment(spec), python=shlex.quote(python),
         run_dir=shlex.quote(str(run_dir)), on_stop=slurm.requeue, max_restarts=slurm.max_restarts,
-        launch=_launch(slurm, spec, train_args),
+        max_start_retries=slurm.max_start_retries,
+        doctor=_doctor(slurm, spec, train_args, run_dir), launch=_launch(slurm, spec, ["train", *train_args]),
     )
 
 
@@ -160,10 +162,60 @@ def _environment(spec: JobSpec) -> str:
     return "\n".join(lines + spec.setup)
 
 
-def _launch(slurm: SlurmConfig, spec: JobSpec, train_args: list[str]) -> str:
-    """The srun line that starts the ranks in the background, from `templates/LAUNCHER.sh`."""
+def environment_problems(slurm: SlurmConfig, environ: Mapping[str, str]) -> list[str]:
+    """One line per variable the preset (or slurm.env) sets that `environ` lacks or holds otherwise, when this
+    process runs on the preset's cluster (presets.on_cluster); elsewhere none. A value with `${NAME}` references
+    is checked only for presence: its expansion depends on the job (SLURM_JOB_ID, the user, the variable's own
+    earlier value)."""
+    preset = load_preset(slurm.preset)
+    if not on_cluster(preset, environ):
+        return []
+    problems = []
+    for name, value in (preset.env | slurm.env).items():
+        who = "slurm.env" if name in slurm.env else f"the {slurm.preset} preset"
+        if name not in environ:
+            problems.append(f"{name} is not set; {who} sets {value}")
+        elif not _REFERENCE.search(value) and environ[name] != value:
+            problems.append(f"{name} is {environ[name]}; {who} sets {value}")
+    return problems
+
+
+def rank_start_warnings(config_path: str | None, slurm: SlurmConfig, environ: Mapping[str, str]) -> list[str]:
+    """What rank 0 of a run started by hand (srun, torchrun, mpirun: not `--nproc`, not plain python) on the
+    preset's cluster warns of: one line per variable of the preset missing from its environment. The job script
+    exports them all, so its ranks say nothing."""
+    from clustertrain.distributed.env import detect_launcher
+    from clustertrain.errors import UserError
+
+    try:
+        info = detect_launcher(environ)
+    except UserError:  # the trainer reports it
+        return []
+    # `--nproc` exports torchrun's RANK and WORLD_SIZE too, but not torchrun's TORCHELASTIC_RUN_ID
+    by_hand = info.launcher != "single" and (info.launcher != "torchrun" or "TORCHELASTIC_RUN_ID" in environ)
+    if not by_hand or info.rank != 0:
+        return []
+    how = f'eval "$(clustertrain env{" " + config_path if config_path else ""})" in an salloc shell sets them all'
+    return [f"warning: {problem} ({how})" for problem in environment_problems(slurm, environ)]
+
+
+def _doctor(slurm: SlurmConfig, spec: JobSpec, train_args: list[str], run_dir: Path) -> str:
+    """With slurm.doctor: the step that runs `clustertrain doctor` on every rank before training, its findings in
+    <run_dir>/doctor.json. A failure ends the job before it trains; job-end takes it for a failed start (retried
+    without the doctor's bad_hosts, launch/jobs.py)."""
+    if not slurm.doctor:
+        return ""
+    report = shlex.quote(str(RunDir(run_dir).doctor))
+    step = _launch(slurm, spec, ["doctor", *train_args, "--output", report], then=' || end_job "$?"')
+    return ("# slurm.doctor: check every rank (software, environment, files, matmul, links) before training; a\n"
+            f"# failure stops here. See {report}: bad_hosts lists the nodes to --exclude.\n{step}\n")
+
+
+def _launch(slurm: SlurmConfig, spec: JobSpec, args: list[str], then: str = " &") -> str:
+    """The srun line that starts the ranks running `clustertrain ARGS` (in the background), from
+    `templates/LAUNCHER.sh`; `then` ends the line."""
     q = shlex.quote
-    train = " ".join(map(q, ["-m", "clustertrain", "train", *train_args]))
+    train = " ".join(map(q, ["-m", "clustertrain", *args]))
     # srun takes --cpus-per-task itself: since Slurm 22.05 it no longer inherits sbatch's
     if slurm.launcher == "srun":
         per_rank = spec.cpus_per_task or '"$cpus_per_task"'
@@ -174,7 +226,7 @@ def _launch(slurm: SlurmConfig, spec: JobSpec, train_args: list[str]) -> str:
                     else f'"$(( cpus_per_task * {spec.tasks_per_node} ))"')
         srun = ["srun", "--ntasks-per-node=1", f"--cpus-per-task={per_node}", "--kill-on-bad-exit=1"]
     return _fill(f"{slurm.launcher}.sh", srun=" ".join(srun), train=train, tasks_per_node=spec.tasks_per_node,
-                 signal_before=slurm.signal_before).removesuffix("\n")
+                 signal_before=slurm.signal_before, then=then).removesuffix("\n")
 
 
 def _check_one_line(values: dict[str, str]) -> None:

@@ -72,12 +72,13 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
 
 
 def record_failure(run_dir: Path, error: BaseException, first: RankFailure | None, step: int,
-                   checkpoint: Path | None) -> None:
+                   checkpoint: Path | None, started: bool = True) -> None:
     """status.json says "failed", with the error that ended the run: `first`, the first failure of any rank
-    (None for a second Ctrl-C, which interrupts without saving), else `error`. Best effort: the error that
-    matters is the run's own."""
+    (None for a second Ctrl-C, which interrupts without saving), else `error`; `before_start` when it came before
+    the first step (a process group, device or node that did not come up: the Slurm path retries such a start).
+    Best effort: the error that matters is the run's own."""
     message = f"{type(error).__name__}: {error}" if first is None or first.rank == 0 else str(first)
     if first is None:
         message = f"interrupted by a second Ctrl-C, without saving (last checkpoint: {checkpoint or 'none'})"
     with contextlib.suppress(OSError):
-        write_status(run_dir, "failed", step=step, error=message)
+        write_status(run_dir, "failed", step=step, error=message, **({} if started else {"before_start": True}))

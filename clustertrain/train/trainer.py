@@ -196,7 +196,8 @@ class Trainer:
             first = None if isinstance(e, KeyboardInterrupt) else first_failure(e, vanished)  # of any rank
             if self._records_failure(first):
                 checkpoints = getattr(self, "checkpoints", None)
-                record_failure(self.run_dir, e, first, self.step, checkpoints.last if checkpoints else None)
+                record_failure(self.run_dir, e, first, self.step, checkpoints.last if checkpoints else None,
+                               started=self.started)
             if first is not None and first.rank != self.info.rank:  # this rank stops because another failed first
                 raise PeerFailed(first) from None
             raise

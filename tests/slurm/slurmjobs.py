@@ -14,18 +14,20 @@ from clustertrain.train.metrics import read_jsonl
 # Long enough (tens of seconds) for Slurm's warning to land mid-run; logs rarely, to keep steps cheap.
 LONG = (*TINY, "metrics.log_every=50", "checkpoint.every=100")
 SUBMITTED: list[Path] = []  # the run directories of this test's submissions; conftest.py cancels their jobs
+FOLLOWED = ([], ["requeued"], ["resubmitted"], ["retried"])  # the last outcomes that another start follows
 
 
 def require_slurm() -> None:
     require("sbatch", ["sinfo", "-h"])
 
 
-def submit(run_dir: Path, *overrides: str) -> str:
-    """`clustertrain slurm submit` of the tiny model with 2 CPU ranks on one node; returns the job id."""
+def submit(run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> str:
+    """`clustertrain slurm submit` of the tiny model with 2 CPU ranks on one node (sbatch passes `env` on to the
+    job and srun to its ranks); returns the job id."""
     settings = (*LONG, "slurm.tasks_per_node=2", "slurm.time=00:10:00", "slurm.signal_before=60", *overrides,
                 f"train.run_dir={run_dir}")
     SUBMITTED.append(run_dir)
-    result = run_cli("slurm", "submit", *[f"--set={o}" for o in settings])
+    result = run_cli("slurm", "submit", *[f"--set={o}" for o in settings], env=env)
     assert result.returncode == 0, result.stderr
     return result.stdout.split()[2]
 
@@ -39,7 +41,7 @@ def cancel_jobs(run_dir: Path, settle_s: float = 90) -> None:
         if active:
             subprocess.run(["scancel", *active], capture_output=True)
             quiet = 0
-        elif outcomes(run_dir)[-1:] not in ([], ["requeued"], ["resubmitted"]):
+        elif outcomes(run_dir)[-1:] not in FOLLOWED:
             return  # finished, failed, gave up or stopped: nothing follows
         else:
             quiet += 1
@@ -73,7 +75,7 @@ def wait_for(condition, run_dir: Path, what: str, timeout: float = 400) -> None:
 
 def wait_until_done(run_dir: Path, timeout: float = 400) -> list[str]:
     """Wait until the run's last job has ended for good (not requeued or resubmitted); returns the outcomes."""
-    wait_for(lambda: outcomes(run_dir)[-1:] not in ([], ["requeued"], ["resubmitted"]), run_dir, "the end", timeout)
+    wait_for(lambda: outcomes(run_dir)[-1:] not in FOLLOWED, run_dir, "the end", timeout)
     return outcomes(run_dir)
 
 

@@ -14,10 +14,10 @@ trap 'signalled=1' USR1 TERM
 python=@{python}
 run_dir=@{run_dir}
 end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (an error): stop here
-    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop @{on_stop} --max-restarts @{max_restarts}
+    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop @{on_stop} --max-restarts @{max_restarts} --max-start-retries @{max_start_retries}
 }
 "$python" -m clustertrain slurm job-start "$run_dir" --max-restarts @{max_restarts} || exit 1
-if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
+@{doctor}if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
 
 @{launch}
 step=$!

@@ -1,3 +1,3 @@
 # One task per rank: ranks come from Slurm's variables, MASTER_PORT from the job id.
 @{srun} \
-    "$python" @{train} &
+    "$python" @{train}@{then}

@@ -6,4 +6,4 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=@{signal_before}
 @{srun} \
     "$python" -m torch.distributed.run --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node=@{tasks_per_node} \
     --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" --max-restarts=0 \
-    @{train} &
+    @{train}@{then}

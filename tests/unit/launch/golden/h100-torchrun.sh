@@ -32,7 +32,7 @@ export OMP_NUM_THREADS=1
 python=/opt/venv/bin/python
 run_dir=/scratch/runs/llama
 end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (an error): stop here
-    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop requeue --max-restarts 20
+    exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop requeue --max-restarts 20 --max-start-retries 2
 }
 "$python" -m clustertrain slurm job-start "$run_dir" --max-restarts 20 || exit 1
 if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train

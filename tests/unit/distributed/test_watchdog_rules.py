@@ -73,7 +73,7 @@ def test_heartbeats_start_only_with_the_run_and_end_marked(tmp_path):
         time.sleep(0.15)
         beat_now = wd.read_beats(RunDir(tmp_path), 2)[1]
         assert (beat_now["state"], beat_now["step"], beat_now["phase"], beat_now["rank"]) == ("running", 4, "step", 1)
-        assert "test_watchdog.py" in beat_now["where"] and not beat_now["waiting"]  # the main thread, here
+        assert "test_watchdog_rules.py" in beat_now["where"] and not beat_now["waiting"]  # the main thread, here
     finally:
         dog.close()
     assert wd.read_beats(RunDir(tmp_path), 2)[1]["state"] == "ended"
