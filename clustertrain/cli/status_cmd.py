@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from clustertrain.cli.slurm_cmd import job_table
+from clustertrain.distributed.watchdog import STALE_BEATS
 from clustertrain.run_dir import RunDir
 
-STALE_BEATS = 3  # a heartbeat older than this many of its periods is stale: its rank stopped, died or is cut off
 DEFAULT_PERIOD_S = 10.0  # a heartbeat that does not say its period (period_s)
 SHOWN_RANKS = 16  # more ranks than this: the table shows the slowest of them (--json has all)
 STACK_LINES = 8  # the innermost lines of the main thread's stack shown per rank
@@ -85,8 +85,8 @@ def run_report(run_dir: Path, now: float | None = None) -> dict[str, Any]:
 
 def read_heartbeats(run: RunDir, now: float) -> tuple[list[dict[str, Any]], list[str]]:
     """Each rank's last heartbeat, by rank, with its age (`age_s`), the time in its phase (`in_phase_s`) and whether
-    it is stale (older than STALE_BEATS periods, from a rank that did not say it ended); and the names of the
-    heartbeat files that cannot be read."""
+    it is stale (a running rank's beat older than STALE_BEATS periods: a hung or ended rank beats no more); and the
+    names of the heartbeat files that cannot be read."""
     beats, unreadable = [], []
     for path in sorted(run.heartbeats.glob("rank-*.json")):
         try:
@@ -100,7 +100,7 @@ def read_heartbeats(run: RunDir, now: float) -> tuple[list[dict[str, Any]], list
         beat_time = _number(beat.get("time"))
         age = None if beat_time is None else max(0.0, now - beat_time)
         started = _number(beat.get("phase_started"))
-        stale = beat.get("state") != "ended" and (age is None or age > STALE_BEATS * period)  # ended: beats no more
+        stale = beat.get("state") == "running" and (age is None or age > STALE_BEATS * period)
         beats.append({**beat, "age_s": age, "stale": stale,
                       "in_phase_s": None if started is None else max(0.0, now - started)})
     return sorted(beats, key=lambda b: b["rank"]), unreadable
@@ -137,26 +137,15 @@ def read_hang(run: RunDir) -> dict[str, Any] | None:
     return {"report": report, "stacks": stacks}
 
 
-_THREAD = re.compile(r"^(Current thread|Thread) .*\(most recent call (first|last)\):\s*$")
-
-
 def main_thread(text: str, count: int = STACK_LINES) -> dict[str, Any]:
-    """The main thread's innermost `count` lines of a stack dump: the watchdog's (a first line saying why, then
-    each thread, main first, most recent call last) or faulthandler's ("Current thread ...", most recent first)."""
-    lines = text.splitlines()
-    headers = [i for i, line in enumerate(lines) if _THREAD.match(line)]
-    why = lines[0] if lines and (not headers or headers[0] > 0) else None
-    if headers:
-        current = [i for i in headers if lines[i].startswith("Current thread")]
-        start = (current or headers)[0]
-        end = next((i for i in headers if i > start), len(lines))
-        thread, body = lines[start].strip(), [line for line in lines[start + 1:end] if line.strip()]
-        innermost_first = _THREAD.match(lines[start])[2] == "first"
-    else:
-        thread, body, innermost_first = None, [line for line in lines[1:] if line.strip()], False
-    shown = body[:count] if innermost_first else body[-count:]
-    return {"why": why, "thread": thread, "lines": shown, "more": len(body) - len(shown),
-            "innermost_first": innermost_first}
+    """The innermost `count` lines of the main thread's stack in a watchdog's dump: a first line saying why, then
+    each thread ("Thread NAME (most recent call last):"), the main thread first."""
+    why, _, rest = text.partition("\n")
+    blocks = re.split(r"^(?=Thread .*\(most recent call last\):$)", rest, flags=re.MULTILINE)
+    first = next((b for b in blocks if b.startswith("Thread ")), None)
+    thread, _, body = first.partition("\n") if first else ("", "", rest)  # no thread header: the text as it is
+    lines = [line for line in body.splitlines() if line.strip()]
+    return {"why": why or None, "thread": thread or None, "lines": lines[-count:], "more": max(0, len(lines) - count)}
 
 
 # ---- show ---------------------------------------------------------------------------------------------------
@@ -194,7 +183,7 @@ def _state_line(status: dict[str, Any], now: float) -> str:
         ranks, hosts = status.get("stuck_ranks"), status.get("stuck_hosts")
         line += f" in {status.get('phase') or '?'}; stuck rank(s) {_show(ranks)}"
         line += f" on {_show(hosts)}" if hosts else ""
-    if status.get("reason") or status.get("error"):
+    elif status.get("reason") or status.get("error"):  # a hang's line is shown with its stacks below
         line += f": {status.get('reason') or status.get('error')}"
     written = _number(status.get("time"))
     return line + (f" ({max(0.0, now - written):.0f} s ago)" if written is not None else "")
@@ -221,9 +210,8 @@ def _hang_lines(hang: dict[str, Any], hang_dir: Path, now: float) -> list[str]:
         stack = hang["stacks"][name]
         out.append(f"  {hang_dir}/{name}" + (f": {stack['why']}" if stack["why"] else ""))
         out += [f"    {stack['thread']}"] if stack["thread"] else []
-        more = [f"      ... {stack['more']} more line(s)"] if stack["more"] else []
-        lines = [f"    {line}" for line in stack["lines"]]
-        out += lines + more if stack.get("innermost_first") else more + lines
+        out += [f"      ... {stack['more']} more line(s)"] if stack["more"] else []
+        out += [f"    {line}" for line in stack["lines"]]
     return out
 
 
