@@ -119,6 +119,10 @@ class RunDir:
     def job_chain(self) -> Path:  # launch/jobs.record (submit, job-start, job-end): one event per line
         return self.slurm / "jobs.jsonl"
 
+    @property
+    def user_error_note(self) -> Path:  # errors.note_user_error in a job's ranks; cleared by job-start, read by job-end
+        return self.slurm / "user-error.txt"
+
     def job_log(self, job_id: str) -> Path:
         """Slurm's log of job `job_id` (sbatch --output, by default; "%j" gives the pattern sbatch fills in)."""
         return self.slurm / f"{job_id}.out"

@@ -25,7 +25,7 @@ import os
 import signal
 import sys
 
-from clustertrain.errors import UserError
+from clustertrain.errors import UserError, note_user_error
 from clustertrain.torch_check import installed_torch, torch_problem
 
 # Login-node commands: they never import torch.
@@ -89,6 +89,8 @@ def _main(argv: list[str] | None) -> int:
         if (rank0 or getattr(args, "log_all_ranks", False)) and not shown:
             # A closed stderr must not turn the exit code that says what happened into a traceback's 1.
             print_best_effort(f"error: {e}", sys.stderr)
+        if args.command == "train":
+            note_user_error(e)
         return e.exit_code
     except KeyboardInterrupt:
         return 130

@@ -58,6 +58,8 @@ class RankFailure:
         return cls(rank, time.time(), type(error).__name__, message, error.exit_code if user else 1, user)
 
     def __str__(self) -> str:  # for status.json
+        if self.rank == VANISHED:  # the message names the rank; the kind is only what the reporter saw of it
+            return self.message
         return f"{self.kind}: {self.message}" + (f" (rank {self.rank})" if self.rank > 0 else "")
 
     def line(self) -> str:

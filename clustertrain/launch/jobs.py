@@ -142,6 +142,7 @@ def job_start(run_dir: Path, max_restarts: int, env: Mapping[str, str] = os.envi
     job = env.get("SLURM_JOB_ID", "?")
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
     record(run_dir, "started", job_id=job, restart=restart, nodes=env.get("SLURM_JOB_NODELIST"))
+    RunDir(run_dir).user_error_note.unlink(missing_ok=True)  # an earlier job's
     count = restarts(read_chain(run_dir))
     if count > max_restarts:
         print(f"clustertrain: not starting: this submission has restarted {count} times "
@@ -162,7 +163,7 @@ class Decision:
 
 def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_id: str, restart: int,
            restarts_so_far: int, max_restarts: int, on_stop: str, *, start_retries: int = 0,
-           max_start_retries: int = 0, bad_hosts: Sequence[str] = ()) -> Decision:
+           max_start_retries: int = 0, bad_hosts: Sequence[str] = (), user_error: str | None = None) -> Decision:
     """What a job does at its end, from the run's status, the training step's exit code and Slurm's warning.
 
     A run is requeued when it saved and stopped on purpose (status `preempted`, exit 75), when the watchdog
@@ -171,12 +172,15 @@ def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_i
     A job that failed before its run started (no status.json of this job, or one that says `before_start`; any
     exit code but the user's 2) is
     retried, `max_start_retries` times in a row at most, without the hosts `clustertrain doctor` named
-    (`bad_hosts`). Requeues and retries both count against `max_restarts`.
+    (`bad_hosts`). Requeues and retries both count against `max_restarts`. A `user_error` a rank noted (a
+    missing file, a bad value) fails the job whatever its exit code.
     """
     mine = bool(status) and status.get("slurm_job_id") == job_id and status.get("slurm_restart", 0) == restart
     state = status.get("state") if mine else None
     if state == "finished":
         return Decision("finished", f"the run finished at step {status.get('step')}")
+    if user_error:
+        return Decision("failed", f"training failed with exit code {exit_code}: {user_error}; not requeued")
     if state == "stopped" and exit_code == 0:
         return Decision("stopped", f"stopped at step {status.get('step')} as train.stop_after_steps asks; "
                                    "not requeued")
@@ -212,6 +216,14 @@ def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_i
     return Decision("requeue", f"{why}; requeue {restarts_so_far + 1} of at most {max_restarts}", exclude, named_by)
 
 
+def _user_error(run_dir: Path) -> str | None:
+    """The user error a rank of this job noted (errors.note_user_error), if any."""
+    try:
+        return RunDir(run_dir).user_error_note.read_text().strip() or "a user error"
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def _hosts(*lists: Any) -> tuple[str, ...]:
     """The host names in `lists`, each once; whatever is not a list of names counts as none."""
     names = [h for hosts in lists if isinstance(hosts, (list, tuple)) for h in hosts if isinstance(h, str) and h]
@@ -240,7 +252,7 @@ def job_end(run_dir: Path, exit_code: int, signalled: bool, on_stop: str, max_re
     chain = read_chain(run_dir)
     decision = decide(read_status(run_dir), exit_code, signalled, job, restart, restarts(chain), max_restarts, on_stop,
                       start_retries=start_retries(chain), max_start_retries=max_start_retries,
-                      bad_hosts=doctor_bad_hosts(run_dir))
+                      bad_hosts=doctor_bad_hosts(run_dir), user_error=_user_error(run_dir))
     print(f"clustertrain: job {job}: {decision.message}", flush=True)
     fields: dict[str, Any] = dict(job_id=job, restart=restart, exit_code=exit_code, signalled=signalled)
     if decision.outcome not in ("requeue", "retry"):

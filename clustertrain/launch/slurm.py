@@ -128,7 +128,8 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
         "sbatch.sh", name=repr(config.name), source=source, preset=slurm.preset, description=preset.description,
         sbatch="\n".join(f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)),
         cpu_count=cpu_count, environment=_environment(spec), python=shlex.quote(python),
-        run_dir=shlex.quote(str(run_dir)), on_stop=slurm.requeue, max_restarts=slurm.max_restarts,
+        run_dir=shlex.quote(str(run_dir)), user_error_note=shlex.quote(str(RunDir(run_dir).user_error_note)),
+        on_stop=slurm.requeue, max_restarts=slurm.max_restarts,
         max_start_retries=slurm.max_start_retries,
         doctor=_doctor(slurm, spec, train_args, run_dir), launch=_launch(slurm, spec, ["train", *train_args]),
     )

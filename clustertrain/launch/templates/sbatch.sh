@@ -17,6 +17,7 @@ end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (
     exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop @{on_stop} --max-restarts @{max_restarts} --max-start-retries @{max_start_retries}
 }
 "$python" -m clustertrain slurm job-start "$run_dir" --max-restarts @{max_restarts} || exit 1
+export CLUSTERTRAIN_USER_ERROR_FILE=@{user_error_note}  # a rank's user error, for end_job: never retried
 @{doctor}if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
 
 @{launch}

@@ -9,8 +9,10 @@ import signal
 
 import pytest
 
-from clustertrain.launch.jobs import (decide, doctor_bad_hosts, excluded_nodes, job_end, read_chain, record,
-                                      start_retries)
+from clustertrain.errors import USER_ERROR_NOTE, DataError, note_user_error
+from clustertrain.launch.jobs import (decide, doctor_bad_hosts, excluded_nodes, job_end, job_start, read_chain,
+                                      record, start_retries)
+from clustertrain.run_dir import RunDir
 
 
 def status(state, job="7", restart=0, **fields):
@@ -41,6 +43,28 @@ def test_start_failures_and_hangs(run_status, exit_code, retries, restarts, on_s
     decision = decide(run_status, exit_code, False, "7", 0, restarts, 3, on_stop, start_retries=retries,
                       max_start_retries=2, bad_hosts=["node3"])
     assert (decision.outcome, decision.exclude) == (outcome, exclude), decision.message
+
+
+@pytest.mark.parametrize("run_status, exit_code", [
+    (None, 143),  # srun killed the other ranks once the one with the error exited 2
+    (None, 1),  # torchrun's agent exits 1 for a worker's 2
+    (HUNG, 76),
+])
+def test_a_noted_user_error_is_never_retried(run_status, exit_code):
+    decision = decide(run_status, exit_code, False, "7", 0, 0, 3, "requeue", max_start_retries=2,
+                      user_error="data source 'x.jsonl': no such file")
+    assert decision.outcome == "failed" and "x.jsonl" in decision.message and "not requeued" in decision.message
+
+
+def test_job_end_reads_the_user_error_a_rank_noted_and_job_start_clears_it(tmp_path, slurm):
+    note = RunDir(tmp_path).user_error_note
+    record(tmp_path, "submitted", job_id="7")
+    assert job_start(tmp_path, 3, env={"SLURM_JOB_ID": "7"}) == 0
+    note_user_error(DataError("data source '/no/such.jsonl': no such file"), env={USER_ERROR_NOTE: str(note)})
+    assert job_end(tmp_path, 143, False, "requeue", 3, 2, env={"SLURM_JOB_ID": "7"}) == 143
+    assert read_chain(tmp_path)[-1]["outcome"] == "failed" and not slurm.exists()  # no scontrol call
+    job_start(tmp_path, 3, env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})  # the next job starts clean
+    assert not note.exists()
 
 
 def test_no_start_retries_unless_asked():

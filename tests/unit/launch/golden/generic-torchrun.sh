@@ -36,6 +36,7 @@ end_job() {  # finished: done; stopped unfinished by a signal: requeue; failed (
     exec "$python" -m clustertrain slurm job-end "$run_dir" --exit-code "$1" --signalled "$signalled" --on-stop requeue --max-restarts 20 --max-start-retries 2
 }
 "$python" -m clustertrain slurm job-start "$run_dir" --max-restarts 20 || exit 1
+export CLUSTERTRAIN_USER_ERROR_FILE=/scratch/runs/llama/slurm/user-error.txt  # a rank's user error, for end_job: never retried
 if [ "$signalled" = 1 ]; then end_job 0; fi  # warned during the setup: no time to train
 
 # One task per node running torchrun; torchrun passes USR1 on to its ranks and waits for their save.
