@@ -11,7 +11,8 @@ from helpers import run_cli, train, write_tiny_repo
 
 from clustertrain.cli import main
 from clustertrain.data.synthetic import read_task
-from clustertrain.inference import complete, inference_device, inference_dtype, load_for_inference
+from clustertrain.harness import answers, run_tasks
+from clustertrain.inference import complete, exact_match, inference_device, inference_dtype, load_for_inference
 
 STEPS = 120
 LORA_STEPS = 60
@@ -61,6 +62,32 @@ def test_exact_match_rises_from_near_zero_to_most_answers(trained):
     assert all(e["answer"].split() == e["prompt"].split()[1:-1][::-1] for e in right)
 
 
+def lm_eval(source, task, *extra: str) -> float:
+    """lm-eval's exact match on the task's test.jsonl, through `clustertrain eval --tasks`."""
+    result = run_cli("eval", str(source), "--tasks", str(task / "test.jsonl"), "--limit", "100", "--json", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)["results"]["jsonl_test"]["exact_match,none"]
+
+
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
+def test_lm_eval_answers_the_jsonl_task_as_eval_does(trained, tmp_path):
+    """The same answers, document by document, on a model that gets some right and some wrong."""
+    run, task = trained
+    model, tokenizer = load_for_inference(run)
+    records = read_task(task / "test.jsonl")[:40]
+    ours = exact_match(model, tokenizer, records)
+    results = run_tasks(model, tokenizer, [str(task / "test.jsonl")], limit=40, workdir=tmp_path)
+    assert [a.strip() for a in answers(results, "jsonl_test")] == [e["answer"].strip() for e in ours["examples"]]
+    assert 0 < ours["accuracy"] < 1
+    assert results["results"]["jsonl_test"]["exact_match,none"] == ours["accuracy"]
+
+
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
+def test_lm_eval_on_two_ranks_scores_every_document_once(trained):
+    run, task = trained
+    assert lm_eval(run, task, "--nproc", "2") == evaluate(run, task)["accuracy"]
+
+
 @pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_eval_prints_accuracy_and_examples(trained):
     run, task = trained
@@ -108,7 +135,8 @@ def test_missing_source_is_one_line_exit_2(tmp_path, command, capsys):
 
 def test_eval_needs_source_and_data_or_make_task(capsys):
     assert main(["eval", "--data", "test.jsonl"]) == 2
-    assert capsys.readouterr().err == "error: give SOURCE and --data TEST.jsonl (or --make-task OUT_DIR to write a task)\n"
+    assert capsys.readouterr().err == ("error: give SOURCE and either --data TEST.jsonl or --tasks TASKS (or --make-task "
+                                       "OUT_DIR to write a task)\n")
 
 
 @pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
@@ -126,6 +154,7 @@ def test_lora_fine_tune_raises_the_accuracy_of_an_exported_base(trained, tmp_pat
     print(f"LoRA: exact match {before['accuracy']:.0%} before, {after['accuracy']:.0%} after {LORA_STEPS} steps")
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert after["accuracy"] > before["accuracy"] + 0.25, (before["accuracy"], after["accuracy"])
+    assert lm_eval(tmp_path / "adapter", task) == after["accuracy"]  # lm-eval on the adapter over its base
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "clustertrain"
 # top to bottom: a layer may import the layers below it, never those above
-LAYERS = ["cli", "doctor", "launch", "train inference", "plan", "checkpoint", "parallel", "model", "lora", "data", "distributed", "config",
+LAYERS = ["cli", "doctor", "launch", "train inference harness", "plan", "checkpoint", "parallel", "model", "lora", "data", "distributed", "config",
           "errors files torch_check run_dir"]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names.split()}
 
