@@ -67,9 +67,16 @@ def resolve_tasks(specs: list[str], tokenizer, workdir: Path) -> tuple[list[str]
 
 
 def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, include: list[str] = (),
-              batch_size: int = 16, workdir: Path, seed: int = 0) -> dict[str, Any] | None:
-    """Evaluate `model` on the tasks `specs` (see resolve_tasks) with lm-eval, each rank of the process group (if
-    one is up) scoring its share of the documents; the results on rank 0, None on the others."""
+              batch_size: int = 16, workdir: Path, seed: int = 0, together: bool = False,
+              autocast_dtype=None) -> dict[str, Any] | None:
+    """Evaluate `model` on the tasks `specs` (see resolve_tasks) with lm-eval; the results on rank 0, None on the
+    others.
+
+    Each rank of the process group (if one is up) holds the whole model and scores its share of the documents;
+    `together` (a training model whose weights are sharded or split): every rank scores every document in the
+    same forwards, rank 0's greedy tokens broadcast, and every rank gets the results. `autocast_dtype`: the
+    forward's mixed precision, as in training.
+    """
     try:
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
@@ -87,7 +94,7 @@ def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, i
                         "--include-path adds a folder of task YAMLs, and a .jsonl of prompt/completion records is a "
                         "task too")
     _quiet()
-    lm = _ranked_lm(model, tokenizer, batch_size, adds_bos(tokenizer))
+    lm = _lm(model, tokenizer, batch_size, adds_bos(tokenizer), together, autocast_dtype)
     try:
         return simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit, log_samples=True,
                                random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
@@ -109,18 +116,22 @@ def _quiet() -> None:
     lm_eval.evaluator.get_git_commit_hash = lambda: None
 
 
-def _ranked_lm(model, tokenizer, batch_size: int, add_bos: bool):
-    """lm-eval's HF model over `model`, told this process's rank and world size and how to gather across them."""
+def _lm(model, tokenizer, batch_size: int, add_bos: bool, together: bool, autocast_dtype):
+    """lm-eval's HF model over `model`: told this process's rank and how to gather across ranks, or (`together`)
+    one process's view on every rank, with generation in lockstep."""
     import torch
     import torch.distributed as dist
     from lm_eval.models.huggingface import HFLM
 
-    class RankedHFLM(HFLM):
+    from clustertrain.distributed.collectives import broadcast
+
+    class ClustertrainLM(HFLM):
         """HFLM assumes a single process unless accelerate launched it: here the process group decides."""
 
         def __init__(self) -> None:
-            super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=add_bos)
-            if dist.is_initialized():
+            super().__init__(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, add_bos_token=add_bos,
+                             mixed_precision_dtype=autocast_dtype)
+            if dist.is_initialized() and not together:
                 self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
         def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -134,7 +145,37 @@ def _ranked_lm(model, tokenizer, batch_size: int, add_bos: bool):
             if self.world_size > 1:
                 dist.barrier()
 
-    return RankedHFLM()
+        def _model_generate(self, context, max_length, stop, **options):
+            if not together:
+                return super()._model_generate(context, max_length, stop, **options)
+            if options.get("do_sample"):
+                raise UserError("train.eval_tasks: a task that samples (do_sample) cannot run on sharded weights; "
+                                "evaluate the checkpoint with `clustertrain eval --tasks`")
+            return _greedy_together(self.model, context, options.get("attention_mask"), max_length,
+                                    self.eot_token_id, self.tokenizer.pad_token_id or 0, self.mixed_precision_dtype,
+                                    broadcast)
+
+    return ClustertrainLM()
+
+
+def _greedy_together(model, ids, mask, max_length: int, eos: int, pad: int, dtype, broadcast):
+    """Greedy tokens after the left-padded `ids` up to `max_length` (or EOS in every row), through the model's
+    forward, rank 0's choice on every rank: ranks whose logits differ in the last bit (GPU kernels) still pick
+    the same tokens and stop together, so their sharded forwards stay paired (HF's `generate` would not)."""
+    import torch
+
+    mask = torch.ones_like(ids) if mask is None else mask.to(ids.device)
+    done = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
+    with torch.no_grad(), torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
+        while ids.shape[1] < max_length and not done.all():
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+            choice = broadcast(logits[:, -1].argmax(-1)).to(ids.device)
+            choice = torch.where(done, torch.full_like(choice, pad), choice)
+            ids = torch.cat([ids, choice[:, None]], dim=1)
+            mask = torch.cat([mask, (~done).to(mask.dtype)[:, None]], dim=1)
+            done |= choice == eos
+    return ids
 
 
 def summary(results: dict[str, Any]) -> list[dict[str, Any]]:

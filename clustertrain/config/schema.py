@@ -6,6 +6,7 @@ Each component receives only its own section. Field descriptions double as the c
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -312,6 +313,12 @@ class TrainConfig(Section):
         return self
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
     eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
+    eval_tasks: list[str] = Field(
+        [], description="lm-eval tasks scored at each evaluation, logged as eval_<task>_<metric>: names (data in the "
+        "local cache), task .yaml files or prompt/completion .jsonl files, as `clustertrain eval --tasks` takes them; "
+        "needs the `eval` extra. See docs/generate-eval.md.",
+    )
+    eval_tasks_limit: int | None = Field(200, gt=0, description="Documents per task at each evaluation; null: all.")
     sample_tokens: int = Field(40, ge=0, description="Tokens of the sample generated at the end; 0 disables.")
     sample_prompt: str | None = Field(
         None, description="The prompt of the end-of-run sample; default: from the run's data: the prompt of the first "
@@ -391,6 +398,15 @@ class RunConfig(Section):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+
+    @model_validator(mode="after")
+    def _eval_tasks_runnable(self) -> RunConfig:
+        if self.train.eval_tasks and self.parallel.pp > 1:
+            raise ValueError("train.eval_tasks cannot run under parallel.pp > 1 (no stage holds the whole forward); "
+                             "evaluate the checkpoints with `clustertrain eval RUN_DIR --tasks ...`")
+        if self.train.eval_tasks and importlib.util.find_spec("lm_eval") is None:
+            raise ValueError("train.eval_tasks needs lm-evaluation-harness: pip install 'clustertrain[eval]'")
+        return self
 
     @model_validator(mode="after")
     def _watchdog_first(self) -> RunConfig:

@@ -1,11 +1,17 @@
-"""Held-out loss: the mean over every loss token of `train.eval_batches` global batches, on every layout."""
+"""Held-out loss: the mean over every loss token of `train.eval_batches` global batches, on every layout; and
+lm-eval's scores of `train.eval_tasks` on the training model."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import torch
 
 from clustertrain.data.loader import StreamLoader
 from clustertrain.distributed.collectives import all_reduce
+from clustertrain.harness import run_tasks, summary
+from clustertrain.parallel.apply import unwrap
 from clustertrain.parallel.runner import Runner
 from clustertrain.train.batches import to_device
 from clustertrain.train.step import loss_tokens, out_of_memory_named
@@ -29,3 +35,21 @@ def evaluate(runner: Runner, loader: StreamLoader, batches: int, microbatches: i
     totals = all_reduce(totals, group=dp_group)
     runner.train()
     return (totals[0] / totals[1]).item()
+
+
+def task_scores(runner: Runner, together: bool, tokenizer, tasks: list[str], limit: int | None,
+                seed: int) -> dict[str, float]:
+    """lm-eval's scores of `tasks` on the training model as {"eval_<task>_<metric>": value} (every rank calls).
+
+    `together` (sharded weights): every rank runs every document in the same forwards through the training
+    model; else each rank scores its share on its whole replica, and only rank 0 gets the scores ({} elsewhere).
+    """
+    model = runner.model if together else unwrap(runner.model)
+    runner.train(False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="clustertrain-tasks-") as workdir:
+            results = run_tasks(model, tokenizer, tasks, limit=limit, workdir=Path(workdir), seed=seed,
+                                together=together, autocast_dtype=runner.autocast_dtype)
+    finally:
+        runner.train()
+    return {f"eval_{row['task']}_{row['metric']}": row["value"] for row in summary(results)} if results else {}

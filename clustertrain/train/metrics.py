@@ -121,9 +121,15 @@ def format_line(
         value = metrics.get(key)
         if value is not None:
             parts.append(fmt(value))
+    if keys is None:  # train.eval_tasks' scores, eval_<task>_<metric>
+        parts += [f"{k} {v:.4f}" for k, v in metrics.items() if _is_task_score(k, v)]
     if eta_s is not None:
         parts.append(f"eta {format_duration(eta_s)}")
     return " | ".join(parts)
+
+
+def _is_task_score(key: str, value: Any) -> bool:
+    return key.startswith("eval_") and key not in ("eval_loss", "eval_ppl") and isinstance(value, (int, float))
 
 
 def _plain(value: Any) -> Any:
@@ -309,7 +315,7 @@ class MetricsLogger:
             self._bar_values.update({k: values[k] for k in _BAR_KEYS if values.get(k) is not None})
             desc = format_line(step, self.total_steps, self._bar_values, eta, keys=_BAR_KEYS)
             self._progress.update(self._task, completed=min(step, self.total_steps), description=desc)
-            if any(values.get(k) is not None for k in ("eval_loss", "eval_ppl")):
+            if any(k.startswith("eval_") and v is not None for k, v in values.items()):
                 # Eval results would vanish with the next bar update: keep them as a line.
                 self._print(format_line(step, self.total_steps, values, eta))
 

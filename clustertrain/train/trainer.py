@@ -44,7 +44,7 @@ from clustertrain.parallel.apply import DTYPES, parallelize
 from clustertrain.run_dir import RunDir
 from clustertrain.train.announce import start_lines
 from clustertrain.train.batches import TrainBatches
-from clustertrain.train.evaluate import evaluate
+from clustertrain.train.evaluate import evaluate, task_scores
 from clustertrain.train.lock import RunLock, lock_run_dir
 from clustertrain.train.memory import PeakMemory, resident_bytes
 from clustertrain.train.metrics import MetricsLogger, Throughput, read_jsonl
@@ -254,8 +254,8 @@ class Trainer:
                 self._stop_if_diverged()
             self.watchdog.step_done()
             every = cfg.train.eval_every
-            if every and (self.step % every == 0 or self.step == self.total_steps) and self.plan.has_eval():
-                self.summary.eval_loss = self._evaluate()
+            if every and (self.step % every == 0 or self.step == self.total_steps) and self._evaluates():
+                self._evaluate()
             if self.step == self.stop_step:
                 self._save_last()
             elif self.checkpoints.due(self.step):
@@ -307,13 +307,22 @@ class Trainer:
         })
         self.throughput.reset(self.step)
 
-    def _evaluate(self) -> float:
-        """Held-out loss and perplexity over `train.eval_batches` global batches, logged; time not counted."""
-        cfg = self.config
+    def _evaluates(self) -> bool:
+        return self.plan.has_eval() or bool(self.config.train.eval_tasks and self.tokenizer is not None)
+
+    def _evaluate(self) -> float | None:
+        """Held-out loss and perplexity over `train.eval_batches` global batches, and the scores of
+        `train.eval_tasks`, logged; time not counted. Returns the held-out loss, if there is held-out data."""
+        cfg, loss = self.config, None
         self.watchdog.phase("evaluation")
-        loss = evaluate(self.runner, self._loader("eval"), cfg.train.eval_batches, self.layout.grad_accum,
-                        self.mesh.dp_group, self.device, cfg.data.packed_documents, self.attention)
-        self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
+        if self.plan.has_eval():
+            loss = evaluate(self.runner, self._loader("eval"), cfg.train.eval_batches, self.layout.grad_accum,
+                            self.mesh.dp_group, self.device, cfg.data.packed_documents, self.attention)
+            self.logger.log(self.step, {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))})
+            self.summary.eval_loss = loss
+        if cfg.train.eval_tasks and self.tokenizer is not None:
+            self.logger.log(self.step, task_scores(self.runner, self.layout.wrapper == "fsdp", self.tokenizer,
+                                                   cfg.train.eval_tasks, cfg.train.eval_tasks_limit, cfg.train.seed))
         self.throughput.reset(self.step)  # evaluation time is not training throughput
         return loss
 

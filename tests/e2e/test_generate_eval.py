@@ -88,6 +88,32 @@ def test_lm_eval_on_two_ranks_scores_every_document_once(trained):
     assert lm_eval(run, task, "--nproc", "2") == evaluate(run, task)["accuracy"]
 
 
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """The trained run's export, and lm-eval's exact match on the first 40 test documents."""
+    run, task = trained
+    export = tmp_path_factory.mktemp("export") / "hf"
+    assert run_cli("export", str(run), str(export)).returncode == 0
+    return export, lm_eval(export, task, "--limit", "40")
+
+
+@pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
+@pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "ddp"), (2, "zero3")])
+def test_eval_tasks_score_the_training_model_on_every_layout(trained, exported, tmp_path, nproc, strategy):
+    """A step that leaves the export's weights as they were (lr 1e-12), scored at its evaluation: the same
+    exact match as the export itself, whether each rank scores its share on a replica or all score together."""
+    _, task = trained
+    export, score = exported
+    assert 0 < score < 1
+    train(tmp_path, *REVERSE_TASK, f"data.sources=[{{path: {task / 'train.jsonl'}}}]", f"model.path={export}",
+          "model.config={}", "train.steps=1", "train.eval_every=1", "optim.lr=1e-12", "optim.warmup_steps=0",
+          f"parallel.strategy={strategy}",
+          f"train.eval_tasks=[{task / 'test.jsonl'}]", "train.eval_tasks_limit=40", nproc=nproc)
+    logged = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if "eval_jsonl_test_exact_match" in r]
+    assert [(r["step"], r["eval_jsonl_test_exact_match"]) for r in logged] == [(1, score)]
+
+
 @pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_eval_prints_accuracy_and_examples(trained):
     run, task = trained

@@ -248,6 +248,9 @@ CASES: dict[str, Bad] = {
     "timeout-zero": S("parallel.timeout_minutes", "parallel.timeout_minutes=0"),
     "timeout-bool": S("parallel.timeout_minutes", "parallel.timeout_minutes=true"),
     "parallel-unknown-key": S("parallel.dp", "parallel.dp=2"),
+    "eval-tasks-under-pp": S("train.eval_tasks", "train.eval_tasks=[arc_easy]", "parallel.pp=2"),
+    "eval-tasks-limit-zero": S("train.eval_tasks_limit", "train.eval_tasks_limit=0"),
+    "eval-tasks-not-a-list": S("train.eval_tasks", "train.eval_tasks={a: 1}"),
     # ---- watchdog ----------------------------------------------------------------------------
     "watchdog-after-collective": S("watchdog.step_timeout_s", "parallel.timeout_minutes=1"),
     "heartbeat-zero": S("watchdog.heartbeat_s", "watchdog.heartbeat_s=0"),
@@ -400,3 +403,16 @@ def test_bad_config_in_a_real_process(name, tmp_path):
     result = run_cli(*command(CASES[name], tmp_path), timeout=120)
     assert_one_line(result.returncode, result.stderr, CASES[name].key)
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_tasks_without_lm_eval_names_the_extra(monkeypatch):
+    import importlib.util
+
+    from clustertrain.config.load import load_config
+    from clustertrain.errors import ConfigError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"train.eval_tasks needs lm-evaluation-harness: pip install 'clustertrain\[eval\]'"):
+        load_config(None, ["train.eval_tasks=[arc_easy]"])
+    load_config(None, [])  # without eval tasks, lm-eval is not needed
