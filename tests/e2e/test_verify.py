@@ -73,7 +73,7 @@ def test_a_reference_that_computes_something_else_fails(tmp_path):
     code, lines, stderr = verify("--nproc", "1", "--set", "optim.lr=1e-2", "--reference-set", "optim.lr=1e-3",
                                  "--out", str(tmp_path))
     assert code == 1, "\n".join(lines) + stderr[-3000:]
-    assert lines[-1].endswith(": FAIL"), lines[-1]
+    assert lines[-1].endswith(": FAIL"), lines[-1] + stderr[-3000:]
     assert largest_difference(lines[-1]) > 1e-4
 
 
