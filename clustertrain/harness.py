@@ -123,7 +123,7 @@ def _lm(model, tokenizer, batch_size: int, add_bos: bool, together: bool, autoca
     import torch.distributed as dist
     from lm_eval.models.huggingface import HFLM
 
-    from clustertrain.distributed.collectives import broadcast
+    from clustertrain.distributed.collectives import all_gather, broadcast
 
     class ClustertrainLM(HFLM):
         """HFLM assumes a single process unless accelerate launched it: here the process group decides."""
@@ -135,11 +135,7 @@ def _lm(model, tokenizer, batch_size: int, add_bos: bool, together: bool, autoca
                 self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
 
         def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-            if self.world_size <= 1:
-                return tensor
-            parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-            dist.all_gather(parts, tensor.contiguous())
-            return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+            return all_gather(tensor) if self.world_size > 1 else tensor
 
         def barrier(self) -> None:
             if self.world_size > 1:

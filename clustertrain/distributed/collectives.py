@@ -81,6 +81,15 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: dist.ProcessGroup | Non
     return out
 
 
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `tensor` (same shape on each), concatenated in rank order (0-d tensors stacked), on the
+    group's device."""
+    local = tensor.detach().to(group_device(group)).contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.stack(parts) if local.dim() == 0 else torch.cat(parts)
+
+
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's `obj` (pickled), in rank order; torch places the bytes on the group's device itself."""
     parts: list[Any] = [None] * dist.get_world_size(group)

@@ -78,4 +78,6 @@ def test_reductions_on_one_rank(world):
     reduced = collectives.all_reduce(tensor)
     assert reduced.dtype == torch.int64 and reduced.item() == 3 and reduced is not tensor
     assert collectives.all_gather_objects({"a": 1}) == [{"a": 1}]
+    assert collectives.all_gather(torch.tensor(4)).tolist() == [4]  # a 0-d count, as lm-eval gathers it
+    assert collectives.all_gather(torch.tensor([1, 2])).tolist() == [1, 2]
     assert collectives.gather_objects("x") == ["x"]
