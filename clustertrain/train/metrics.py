@@ -302,8 +302,8 @@ class MetricsLogger:
             return
         values = {k: _plain(v) for k, v in metrics.items()}
         eta = self._update_eta(step)
-        now = time.time()
-        record = {"step": step, "time": round(now, 3), **values, "eta_s": None if eta is None else round(eta, 1)}
+        now = round(time.time(), 3)  # unix seconds to the millisecond, in every sink
+        record = {"step": step, "time": now, **values, "eta_s": None if eta is None else round(eta, 1)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         numbers = {tag(k): v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

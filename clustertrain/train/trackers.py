@@ -156,7 +156,7 @@ class MlflowRun(Tracker):
             return None
 
     def _log(self, step: int, values: dict[str, float], time_s: float) -> None:
-        ms = int(time_s * 1000)
+        ms = round(time_s * 1000)
         self.client.log_batch(self.id, metrics=[self._metric(_mlflow_name(k), float(v), ms, step)
                                                 for k, v in values.items()])
 
