@@ -33,14 +33,16 @@ def pyplot() -> Any:
     return plt
 
 
-# The panels of `plot_runs`: title, y label, and the metrics.jsonl keys drawn (the first solid, the next dashed).
+# The panels of `plot_runs`: title, y label, and the metrics.jsonl keys drawn: the first solid, the second dashed
+# (named in the label where drawn).
 PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("loss", "loss (dashed: held-out)", ("loss", "eval_loss")),
+    ("loss", "loss", ("loss", "eval_loss")),
     ("learning rate", "lr", ("lr",)),
     ("throughput (all ranks)", "tokens/s", ("tokens_per_s",)),
     ("MFU", "% of peak FLOP/s", ("mfu",)),
-    ("peak memory per rank", "GB (dashed: reserved)", ("mem_gb", "mem_reserved_gb")),
+    ("peak memory per rank", "GB", ("mem_gb", "mem_reserved_gb")),
 )
+_DASHED = {"eval_loss": "held-out", "mem_reserved_gb": "reserved"}
 _SCALE = {"mfu": 100.0}  # drawn as a percentage
 
 
@@ -95,7 +97,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
                             marker="o" if key == "eval_loss" else None, label=run.name if style == "-" else None)
             for step in run.resumes:
                 ax.axvline(step, color=color, linestyle=":", alpha=0.6)
-        ax.set(xlabel="step", ylabel=ylabel, title=title)
+        dashed = [_DASHED[key] for key in keys[1:] if any(run.curves[key] for run in runs)]
+        ax.set(xlabel="step", ylabel=ylabel + "".join(f" (dashed: {what})" for what in dashed), title=title)
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize="small")  # the runs' colours, once
     for ax in axes.flat[len(panels):]:
