@@ -54,8 +54,8 @@ from clustertrain.train.profile import StepProfiler
 from clustertrain.train.resolve import resolve_epochs, resolve_run
 from clustertrain.train.sample import end_of_run_sample
 from clustertrain.train.status import record_failure, write_status
-from clustertrain.train.trackers import open_trackers
 from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, train_step
+from clustertrain.train.trackers import open_trackers
 
 
 @dataclass

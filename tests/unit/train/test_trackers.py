@@ -11,7 +11,8 @@ import pytest
 from clustertrain.cli import main
 from clustertrain.config.schema import MetricsConfig
 from clustertrain.run_dir import RunDir
-from clustertrain.train.trackers import open_trackers, tag
+from clustertrain.train.metrics import MetricsLogger, read_jsonl
+from clustertrain.train.trackers import Tracker, open_trackers, tag
 
 
 def test_metrics_are_grouped_train_eval_perf_data():
@@ -49,3 +50,28 @@ def test_a_tracker_that_cannot_start_is_left_out_and_the_run_goes_on(tmp_path, c
     out = capsys.readouterr().out
     assert out.startswith("warning: MLflow could not start (") and out.endswith("the run goes on without it\n")
     assert not RunDir(tmp_path).trackers.exists()  # no id to continue
+
+
+class ServerGone(Tracker):
+    key, kind = "gone", "Gone"
+
+    def __init__(self):
+        self.calls = 0
+
+    def _log(self, step, values, time_s):
+        self.calls += 1
+        raise ConnectionError("server gone")
+
+    def _close(self, failed):
+        raise AssertionError("a failed tracker is not called again")
+
+
+def test_a_tracker_that_fails_says_so_once_and_the_run_logs_on(tmp_path, capsys):
+    gone = ServerGone()
+    with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="none", trackers=(gone,)) as log:
+        for step in (1, 2, 3):
+            log.log(step, {"loss": 1.0 / step})
+    assert gone.calls == 1
+    assert capsys.readouterr().out == ("warning: Gone failed (server gone); the run goes on without it, metrics.jsonl "
+                                       "has every number\n")
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
