@@ -16,7 +16,7 @@ import importlib.util
 import json
 import os
 import re
-from typing import Any
+from pathlib import Path
 
 import yaml
 
@@ -93,18 +93,20 @@ class WandbRun(Tracker):
     def __init__(self, settings: WandbConfig, files: RunDir, name: str, config: dict, run_id: str | None):
         import wandb
 
+        folder = Path(settings.dir or files.root)
+        folder.mkdir(parents=True, exist_ok=True)  # W&B would fall back to a temporary folder
         self.run = wandb.init(
             project=settings.project, entity=settings.entity, name=settings.name or name, tags=list(settings.tags),
             id=run_id, resume="allow", mode=settings.mode,
-            dir=str(settings.dir or files.root),
+            dir=str(folder),
             settings=wandb.Settings(console="off", silent=True),  # our lines stay ours; a login node's sync uploads
         )
         self.run.config.update(config, allow_val_change=True)  # a resume may change values (train.steps)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
         self.id = self.run.id
-        folder = os.path.join(settings.dir or files.root, "wandb")
-        self.line = (f"W&B: offline run {self.id} in {folder} (upload it later: wandb sync {folder}/offline-run-*)"
+        self.line = (f"W&B: offline run {self.id} in {folder / 'wandb'} (upload it later: wandb sync "
+                     f"{folder / 'wandb'}/offline-run-*)"
                      if settings.mode == "offline" else f"W&B: {self.run.url}")
 
     def _log(self, step: int, values: dict[str, float], time_s: float) -> None:
