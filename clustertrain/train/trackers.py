@@ -20,7 +20,8 @@ from pathlib import Path
 
 import yaml
 
-from clustertrain.config.schema import MetricsConfig, MlflowConfig, WandbConfig
+from clustertrain.config.schema import MetricsConfig
+from clustertrain.config.tracker_schema import MlflowConfig, WandbConfig
 from clustertrain.errors import ConfigError
 from clustertrain.run_dir import RunDir
 
