@@ -98,9 +98,8 @@ class WandbRun(Tracker):
         folder.mkdir(parents=True, exist_ok=True)  # W&B would fall back to a temporary folder
         self.run = wandb.init(
             project=settings.project, entity=settings.entity, name=settings.name or name, tags=list(settings.tags),
-            id=run_id, resume="allow", mode=settings.mode,
-            dir=str(folder),
-            settings=wandb.Settings(console="off", silent=True),  # our lines stay ours; a login node's sync uploads
+            id=run_id, resume="allow", mode=settings.mode, dir=str(folder),
+            settings=wandb.Settings(console="off", silent=True),  # no capture of our output, no banner in it
         )
         self.run.config.update(config, allow_val_change=True)  # a resume may change values (train.steps)
         self.run.define_metric("step")
@@ -201,7 +200,8 @@ def _flat(tree: dict, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict) and value:
             flat.update(_flat(value, f"{prefix}{key}."))
         else:
-            flat[_mlflow_name(f"{prefix}{key}")] = json.dumps(value)[:500] if not isinstance(value, str) else value[:500]
+            text = value if isinstance(value, str) else json.dumps(value)
+            flat[_mlflow_name(f"{prefix}{key}")] = text[:500]
     return flat
 
 
