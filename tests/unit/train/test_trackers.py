@@ -1,5 +1,6 @@
 """The trackers' names for metrics, the one line for a tracker whose package is missing (before anything trains),
-and a tracker that cannot start leaving the run to train without it. Training with them: tests/e2e/test_trackers.py."""
+and a tracker that cannot start or fails leaving the run to train without it. Training with them:
+tests/e2e/test_train_trackers.py."""
 
 from __future__ import annotations
 
