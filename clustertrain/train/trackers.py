@@ -176,6 +176,7 @@ def open_trackers(metrics: MetricsConfig, files: RunDir, name: str, config_yaml:
         ids = json.loads(files.trackers.read_text())
     except (OSError, ValueError):
         ids = {}
+    ids = ids if isinstance(ids, dict) else {}  # a file that is not ours: new tracker runs
     opened = []
     for section, run_class in ((metrics.wandb, WandbRun), (metrics.mlflow, MlflowRun)):
         if not section.enabled:
