@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 demo: install
 	rm -rf runs/demo
 	$(VENV)/bin/clustertrain train --nproc 2 --set train.run_dir=runs/demo
+	$(VENV)/bin/clustertrain plot runs/demo
 
 test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15

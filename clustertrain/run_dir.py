@@ -52,6 +52,18 @@ class RunDir:
         return self.root / "tensorboard"
 
     @property
+    def trackers(self) -> Path:  # train/trackers.py (rank 0), with metrics.wandb/mlflow: the run ids a resume continues
+        return self.root / "trackers.json"
+
+    @property
+    def wandb(self) -> Path:  # W&B (rank 0), with metrics.wandb and no metrics.wandb.dir: its offline-run-* folders
+        return self.root / "wandb"
+
+    @property
+    def mlruns(self) -> Path:  # MLflow (rank 0), with metrics.mlflow and no tracking_uri: its local file store
+        return self.root / "mlruns"
+
+    @property
     def samples(self) -> Path:  # data/audit.AuditLog (rank 0), with data.audit: every global batch's samples
         return self.root / "samples.jsonl"
 
@@ -96,7 +108,7 @@ class RunDir:
         return self.root / "profile"
 
     @property
-    def curves_plot(self) -> Path:  # `clustertrain plot` (train/plots.py) by default: loss and tokens/s curves
+    def curves_plot(self) -> Path:  # `clustertrain plot` (train/plots.py) by default: loss, lr, speed, MFU, memory
         return self.root / "curves.png"
 
     @property
@@ -142,7 +154,8 @@ class RunDir:
     @property
     def moved_aside(self) -> tuple[Path, ...]:
         """What a start-over moves into `replaced(stamp)`: the earlier run's checkpoints, logs and config."""
-        return self.checkpoints, self.metrics, self.samples, self.tensorboard, self.config
+        return (self.checkpoints, self.metrics, self.samples, self.tensorboard, self.config, self.trackers, self.wandb,
+                self.mlruns)
 
     def move_aside(self) -> Path:
         """Move an earlier run's files (`moved_aside`) into `replaced(<time>)`: starting over loses nothing."""

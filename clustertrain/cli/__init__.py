@@ -14,7 +14,7 @@
     clustertrain slurm submit configs/tiny-llama.yaml --set slurm.nodes=2   # sbatch, requeued until done
     clustertrain slurm status runs/tiny-llama
     clustertrain status runs/tiny-llama                       # state, heartbeats, slowest rank, a hang, retries
-    clustertrain plot runs/tiny-llama                         # loss and tokens/s curves as a PNG
+    clustertrain plot runs/tiny-llama                         # loss, lr, tokens/s, MFU, memory as a PNG
 """
 
 from __future__ import annotations

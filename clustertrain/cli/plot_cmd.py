@@ -1,9 +1,12 @@
-"""`clustertrain plot RUN_DIR [RUN_DIR...]`: loss and tokens/s curves of one or several runs, as a PNG.
+"""`clustertrain plot RUN_DIR [RUN_DIR...]`: loss, lr, tokens/s, MFU and memory curves of one or several runs, as
+a PNG.
 
     clustertrain plot runs/tiny-llama                               # runs/tiny-llama/curves.png
     clustertrain plot runs/lr-1e-3 runs/lr-3e-3 -o compare.png      # several runs, one colour each
 
-Reads each run's metrics.jsonl: training loss (and eval loss, dashed, where logged) and tokens/s per step.
+Reads each run's metrics.jsonl: training loss (and eval loss, dashed, where logged), learning rate, tokens/s, MFU
+and peak memory per step, the panels of what was logged. A resumed run's starts are stitched into one curve (a
+dotted line where it resumed; steps done again after a restart: the later record wins).
 Needs matplotlib: pip install 'clustertrain[plot]'.
 """
 
@@ -15,7 +18,7 @@ from pathlib import Path
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
-        "plot", help="draw the loss and tokens/s curves of runs as a PNG",
+        "plot", help="draw the loss, lr, tokens/s, MFU and memory curves of runs as a PNG",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories (train.run_dir)")

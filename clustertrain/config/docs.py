@@ -26,15 +26,24 @@ def render_reference() -> str:
             lines += ["", f"- `{name}` (default `{field.default}`): {field.description}"]
             continue
         lines += ["", f"## `{name}`", "", "| key | default | description |", "| --- | --- | --- |"]
-        defaults = section().model_dump(mode="json")
-        for key, sub in section.model_fields.items():
-            default = json.dumps(defaults[key])
-            lines.append(f"| `{name}.{key}` | `{default}` | {(sub.description or '').replace('|', '/')} |")
+        lines += _rows(name, section)
     lines += ["", "## `data.sources[]` entries", "", "| key | default | description |", "| --- | --- | --- |"]
     for key, sub in SourceConfig.model_fields.items():
         default = json.dumps(sub.default)
         lines.append(f"| `{key}` | `{default}` | {(sub.description or '').replace('|', '/')} |")
     return "\n".join(lines) + "\n"
+
+
+def _rows(prefix: str, section: type[BaseModel]) -> list[str]:
+    """One table row per key of `section`, a nested section's keys under its own name (`metrics.wandb.mode`)."""
+    rows, defaults = [], section().model_dump(mode="json")
+    for key, sub in section.model_fields.items():
+        if isinstance(sub.annotation, type) and issubclass(sub.annotation, BaseModel):
+            rows += _rows(f"{prefix}.{key}", sub.annotation)
+            continue
+        default = json.dumps(defaults[key])
+        rows.append(f"| `{prefix}.{key}` | `{default}` | {(sub.description or '').replace('|', '/')} |")
+    return rows
 
 
 if __name__ == "__main__":

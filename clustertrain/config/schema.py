@@ -14,6 +14,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from clustertrain.config.section import Section
 from clustertrain.config.slurm_schema import SLURM_TIME_FORMS, SlurmConfig, Walltime, walltime_seconds
+from clustertrain.config.tracker_schema import MlflowConfig, WandbConfig
 
 
 class ModelConfig(Section):
@@ -366,6 +367,8 @@ class MetricsConfig(Section):
     )
     plan: bool = Field(True, description="Plan the run at its start (`clustertrain plan`: memory per rank, step "
                        "time) into <run_dir>/plan.json, and print the plan beside what the run measured at its end.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
 
 
 class WatchdogConfig(Section):

@@ -1,8 +1,10 @@
-"""Metric sinks for the training loop: JSONL, TensorBoard and a console progress display.
+"""Metric sinks for the training loop: JSONL, TensorBoard, a console progress display, and the trackers
+(W&B, MLflow: train/trackers.py) handed in.
 
 Only rank 0 talks: other ranks build the logger with ``enabled=False`` and every call is a
 no-op. ``step`` is the number of completed optimizer steps (1-based), so a run resumed
-from a checkpoint at ``start_step`` logs steps ``start_step + 1 ..``.
+from a checkpoint at ``start_step`` logs steps ``start_step + 1 ..``. metrics.jsonl keeps the flat keys
+(``loss``, ``eval_loss``); TensorBoard and the trackers see them grouped (``train/loss``, ``eval/loss``; `tag`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from clustertrain.data.readers import BadData, json_type, parse_object
 from clustertrain.errors import DataError
 from clustertrain.run_dir import RunDir
+from clustertrain.train.trackers import Tracker, tag
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -139,7 +142,7 @@ def _plain(value: Any) -> Any:
 
 
 # Metrics that readers compute with (`plot`, `slurm status`, the run's summary): a number or null in every record.
-_NUMBERS = frozenset(key for key, _ in _FIELDS) | {"tokens", "tokens_per_s_per_rank", "eta_s"}
+_NUMBERS = frozenset(key for key, _ in _FIELDS) | {"tokens", "tokens_per_s_per_rank", "eta_s", "time"}
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -200,7 +203,8 @@ def _is_number(value: Any) -> bool:
 
 
 class MetricsLogger:
-    """Writes each ``log`` call to ``run_dir/metrics.jsonl``, TensorBoard and the console.
+    """Writes each ``log`` call to ``run_dir/metrics.jsonl`` (with the wall-clock ``time``), TensorBoard, the
+    trackers and the console.
 
     Args:
         run_dir: Directory for ``metrics.jsonl`` and ``tensorboard/``; created if missing.
@@ -211,6 +215,7 @@ class MetricsLogger:
         progress: "auto" (a rich bar on a terminal, plain lines otherwise), "bar",
             "lines" or "none" (no progress output; files and ``info`` lines still go out).
         console: Console to print to (default: a BestEffortConsole on stdout).
+        trackers: Open tracker runs (train/trackers.py) that get every number, grouped (`tag`); closed with this.
     """
 
     def __init__(
@@ -223,11 +228,13 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: str = "auto",
         console: Console | None = None,
+        trackers: tuple[Tracker, ...] = (),
     ) -> None:
         if progress not in _PROGRESS_MODES:
             raise ValueError(f"progress must be one of {_PROGRESS_MODES}, got {progress!r}")
         self.enabled = enabled
         self.total_steps = total_steps
+        self._start_step = start_step
         self._closed = False
         self._anchor: tuple[float, int] | None = None  # (time, step) of the first log call
         self._eta_s: float | None = None
@@ -236,6 +243,7 @@ class MetricsLogger:
         self._progress: Progress | None = None
         self._task: TaskID | None = None
         self._bar_values: dict[str, Any] = {}
+        self.trackers = trackers
         if not enabled:
             return
         self.run_dir = Path(run_dir)
@@ -300,14 +308,17 @@ class MetricsLogger:
             return
         values = {k: _plain(v) for k, v in metrics.items()}
         eta = self._update_eta(step)
-        record = {"step": step, **values, "eta_s": None if eta is None else round(eta, 1)}
+        now = round(time.time(), 3)  # unix seconds to the millisecond, in every sink
+        record = {"step": step, "time": now, **values, "eta_s": None if eta is None else round(eta, 1)}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        numbers = {tag(k): v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._writer.add_scalar(key, value, global_step=step)
+            for name, value in numbers.items():
+                self._writer.add_scalar(name, value, global_step=step, walltime=now)
             self._writer.flush()
+        for tracker in self.trackers:
+            tracker.log(step, numbers, now)
         if self.mode == "lines":
             self._print(format_line(step, self.total_steps, values, eta))
         elif self._progress is not None:
@@ -319,6 +330,17 @@ class MetricsLogger:
                 # Eval results would vanish with the next bar update: keep them as a line.
                 self._print(format_line(step, self.total_steps, values, eta))
 
+    def describe(self, config_yaml: str, plan: dict | None) -> None:
+        """Puts the run's resolved config (and its plan, where made) into TensorBoard as text, at the first step
+        of this start; the trackers got them when they opened."""
+        if not self.enabled or self._writer is None:
+            return
+        step = self._start_step + 1
+        self._writer.add_text("config", _markdown_code(config_yaml), global_step=step)
+        if plan is not None:
+            self._writer.add_text("plan", _markdown_code(json.dumps(plan, indent=1)), global_step=step)
+        self._writer.flush()
+
     def info(self, message: str) -> None:
         """Prints a plain message line (above the progress bar when there is one)."""
         if self.enabled and not self._closed:
@@ -328,8 +350,9 @@ class MetricsLogger:
         # soft_wrap: never hard-wrap at the console width (80 columns when not a terminal).
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
-    def close(self) -> None:
-        """Stops the progress display and flushes and closes the files; idempotent."""
+    def close(self, failed: bool = False) -> None:
+        """Stops the progress display, flushes and closes the files and ends the tracker runs (as failed, with
+        `failed`); idempotent."""
         if not self.enabled or self._closed:
             return
         self._closed = True
@@ -338,12 +361,19 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
         self._file.close()
+        for tracker in self.trackers:
+            tracker.close(failed)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _markdown_code(text: str) -> str:
+    """`text` as a Markdown code block (TensorBoard's text tab renders Markdown)."""
+    return "\n".join("    " + line for line in text.splitlines())
 
 
 class Throughput:

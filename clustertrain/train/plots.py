@@ -1,4 +1,5 @@
-"""PNG charts of runs: loss and throughput curves from metrics.jsonl, and a scaling study's tokens/s and efficiency.
+"""PNG charts of runs: loss, lr, throughput, MFU and memory curves from metrics.jsonl (several runs overlaid, a
+run's resumes stitched), and a scaling study's tokens/s and efficiency.
 
     plot_runs([Path("runs/a"), Path("runs/b")], Path("runs/compare.png"))
     plot_scaling(rows, Path("runs/scaling/scaling.png"))   # rows from clustertrain.launch.scaling.read_scaling
@@ -8,7 +9,9 @@ matplotlib is an optional extra (`pip install 'clustertrain[plot]'`); without it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,40 +33,76 @@ def pyplot() -> Any:
     return plt
 
 
-def run_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """(step, value) points of loss, eval_loss and tokens_per_s logged in `run_dir/metrics.jsonl`."""
+# The panels of `plot_runs`: title, y label, and the metrics.jsonl keys drawn: the first solid, the second dashed
+# (named in the label where drawn).
+PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("loss", "loss", ("loss", "eval_loss")),
+    ("learning rate", "lr", ("lr",)),
+    ("throughput (all ranks)", "tokens/s", ("tokens_per_s",)),
+    ("MFU", "% of peak FLOP/s", ("mfu",)),
+    ("peak memory per rank", "GB", ("mem_gb", "mem_reserved_gb")),
+)
+_DASHED = {"eval_loss": "held-out", "mem_reserved_gb": "reserved"}
+_SCALE = {"mfu": 100.0}  # drawn as a percentage
+
+
+@dataclass
+class RunCurves:
+    """What `plot_runs` draws of one run: each key's (step, value) points, steps ascending and each once, and the
+    steps at which a later start of the run resumed."""
+
+    name: str
+    curves: dict[str, list[tuple[int, float]]]
+    resumes: list[int] = field(default_factory=list)
+
+
+def run_curves(run_dir: Path, name: str | None = None) -> RunCurves:
+    """The curves in `run_dir/metrics.jsonl`, its starts stitched together: a resumed run appends to the file, and
+    where it did steps again (those after the checkpoint it resumed from), its later record of a step wins.
+    A start is the record of `load_mem_gb`, logged at the step the start resumed from."""
     path = RunDir(run_dir).metrics
     if not path.is_file():
         raise DataError(f"{path} does not exist: is {run_dir} a run directory (train.run_dir)?")
-    curves: dict[str, list[tuple[int, float]]] = {"loss": [], "eval_loss": [], "tokens_per_s": []}
+    latest: dict[str, dict[int, float]] = {key: {} for _, _, keys in PANELS for key in keys}
+    resumes = []
     for record in read_jsonl(path):
-        for key, points in curves.items():
+        step = record["step"]
+        if record.get("load_mem_gb") is not None and step > 0:
+            resumes.append(step)
+        for key, points in latest.items():
             if record.get(key) is not None:
-                points.append((record["step"], float(record[key])))
-    return curves
+                points[step] = float(record[key]) * _SCALE.get(key, 1.0)
+    curves = {key: sorted(points.items()) for key, points in latest.items()}
+    return RunCurves(name or Path(run_dir).resolve().name, curves, resumes)
 
 
 def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
-    """Loss (dashed: eval loss, where logged) and tokens/s against the step, one colour per run; returns `out`."""
+    """Loss (dashed: eval loss), lr, tokens/s, MFU and memory against the step, the panels of what was logged, one
+    colour per run (resumes marked by a dotted line); returns `out`."""
     plt = pyplot()
-    curves = {run_dir: run_curves(run_dir) for run_dir in run_dirs}
-    if not any(points for run in curves.values() for points in run.values()):
+    names = [Path(d).resolve().name for d in run_dirs]
+    runs = [run_curves(d, name if names.count(name) == 1 else str(d)) for d, name in zip(run_dirs, names)]
+    panels = [panel for panel in PANELS if any(run.curves[key] for run in runs for key in panel[2])]
+    if not panels:
         raise DataError(f"no loss or tokens/s logged yet in {', '.join(str(RunDir(d).metrics) for d in run_dirs)}")
-    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, (run_dir, run) in enumerate(curves.items()):
-        color, label = f"C{i % 10}", run_dir.resolve().name
-        if run["loss"]:
-            loss_ax.plot(*zip(*run["loss"]), color=color, label=label)
-        if run["eval_loss"]:
-            loss_ax.plot(*zip(*run["eval_loss"]), color=color, linestyle="--", marker="o", label=f"{label} (eval)")
-        if run["tokens_per_s"]:
-            speed_ax.plot(*zip(*run["tokens_per_s"]), color=color, label=label)
-    loss_ax.set(xlabel="step", ylabel="loss", title="loss")
-    speed_ax.set(xlabel="step", ylabel="tokens/s", title="throughput (all ranks)")
-    for ax in (loss_ax, speed_ax):
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)
+    for ax, (title, ylabel, keys) in zip(axes.flat, panels):
+        for i, run in enumerate(runs):
+            color = f"C{i % 10}"
+            for key, style in zip(keys, ("-", "--")):
+                if run.curves[key]:
+                    ax.plot(*zip(*run.curves[key]), color=color, linestyle=style,
+                            marker="o" if key == "eval_loss" else None, label=run.name if style == "-" else None)
+            for step in run.resumes:
+                ax.axvline(step, color=color, linestyle=":", alpha=0.6)
+        dashed = [_DASHED[key] for key in keys[1:] if any(run.curves[key] for run in runs)]
+        ax.set(xlabel="step", ylabel=ylabel + "".join(f" (dashed: {what})" for what in dashed), title=title)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
+    axes.flat[0].legend(fontsize="small")  # the runs' colours, once
+    for ax in axes.flat[len(panels):]:
+        ax.remove()
     return _save(fig, plt, out)
 
 

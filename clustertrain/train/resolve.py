@@ -25,6 +25,7 @@ from clustertrain.files import write_atomic
 from clustertrain.model.build import snapshot_dir
 from clustertrain.model.spec import model_shape
 from clustertrain.parallel.apply import resolve_param_dtype
+from clustertrain.train.trackers import check_trackers
 
 
 @dataclass(frozen=True)
@@ -43,8 +44,9 @@ def resolve_run(config: RunConfig, world_size: int, local_world_size: int, devic
     that does not know the compute nodes' GPUs).
 
     Raises:
-        ConfigError: every problem of the config on this world, at once.
+        ConfigError: every problem of the config on this world, at once; or an enabled tracker's missing package.
     """
+    check_trackers(config.metrics)
     choice = None
     if config.parallel.strategy == "auto":
         from clustertrain.plan.auto import choose_layout

@@ -55,6 +55,7 @@ from clustertrain.train.resolve import resolve_epochs, resolve_run
 from clustertrain.train.sample import end_of_run_sample
 from clustertrain.train.status import record_failure, write_status
 from clustertrain.train.step import NonFiniteSteps, StepResult, global_mean_loss, train_step
+from clustertrain.train.trackers import open_trackers
 
 
 @dataclass
@@ -194,6 +195,8 @@ class Trainer:
                 self.watchdog.join_hang()  # a collective broken by a peer that ended for a hang: part of that hang
             vanished = self.watchdog.vanished if self.watchdog else None
             first = None if isinstance(e, KeyboardInterrupt) else first_failure(e, vanished)  # of any rank
+            if getattr(self, "logger", None):
+                self.logger.close(failed=True)  # the tracker runs end as failed
             if self._records_failure(first):
                 checkpoints = getattr(self, "checkpoints", None)
                 record_failure(self.run_dir, e, first, self.step, checkpoints.last if checkpoints else None,
@@ -215,15 +218,18 @@ class Trainer:
         cfg = self.config
         self.started = True
         self.stop = self.stop or StopRequests(cfg.walltime_s, cfg.train.walltime_margin)
+        config_yaml = self.checkpoints.extras.config_yaml
+        trackers = open_trackers(cfg.metrics, self.files, cfg.name, config_yaml, self.planned) if self.rank0 else ()
         self.logger = MetricsLogger(self.run_dir, total_steps=self.total_steps, start_step=self.step,
                                     enabled=self.rank0, tensorboard=cfg.metrics.tensorboard,
-                                    progress=cfg.metrics.progress)
+                                    progress=cfg.metrics.progress, trackers=trackers)
         if self.rank0:
-            for line in start_lines(self, resumed):
+            for line in [*start_lines(self, resumed), *(tracker.line for tracker in trackers)]:
                 self.logger.info(line)
-            self.files.write(self.files.config, self.checkpoints.extras.config_yaml)  # for `data audit`, for people
+            self.files.write(self.files.config, config_yaml)  # for `data audit`, for people
             if self.planned:
                 self.files.write(self.files.plan, json.dumps({"plan": self.planned}, indent=1))
+            self.logger.describe(config_yaml, self.planned)
         self.summary = RunSummary(run_dir=self.run_dir, checkpoint=resumed)
         self._status("running")
         self.watchdog.start_beating()

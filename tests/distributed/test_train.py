@@ -239,17 +239,17 @@ def test_tensorboard_reads_back(runs):
 
     events = EventAccumulator(str(runs["zero3"] / "tensorboard"))
     events.Reload()
-    scalars = events.Scalars("loss")
+    scalars = events.Scalars("train/loss")
     assert [s.step for s in scalars] == list(range(1, 11))
     assert scalars[-1].value == pytest.approx(losses(runs["zero3"])[10], rel=1e-6)
-    assert {"lr", "grad_norm", "tokens_per_s", "mfu"} <= set(events.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/mfu"} <= set(events.Tags()["scalars"])
 
 
 def test_metrics_have_the_documented_keys(runs):
     from clustertrain.train.metrics import read_jsonl
 
     record = [r for r in read_jsonl(runs["ddp"] / "metrics.jsonl") if "loss" in r][-1]
-    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "eta_s"} <= set(record)
+    assert {"step", "time", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "eta_s"} <= set(record)
     assert record["tokens_per_s"] > 0 and 0 < record["mfu"] < 1
 
 

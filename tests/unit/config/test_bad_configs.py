@@ -272,7 +272,11 @@ CASES: dict[str, Bad] = {
     "profile-one": S("metrics.profile", "metrics.profile=[1]"),
     "profile-word": S("metrics.profile", "metrics.profile=abc"),
     "peak-flops-zero": S("metrics.peak_flops", "metrics.peak_flops=0"),
-    "metrics-unknown-key": S("metrics.wandb", "metrics.wandb=true"),
+    "metrics-unknown-key": S("metrics.comet", "metrics.comet=true"),
+    "wandb-not-a-section": S("metrics.wandb", "metrics.wandb=true"),
+    "wandb-mode": S("metrics.wandb.mode", "metrics.wandb.mode=cloud"),
+    "wandb-unknown-key": S("metrics.wandb.project_name", "metrics.wandb.project_name=x"),
+    "mlflow-enabled-word": S("metrics.mlflow.enabled", "metrics.mlflow.enabled=sometimes"),
     # ---- slurm ---------------------------------------------------------------------------------
     "nodes-zero": S("slurm.nodes", "slurm.nodes=0"),
     "nodes-bool": S("slurm.nodes", "slurm.nodes=true"),

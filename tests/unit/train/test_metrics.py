@@ -47,6 +47,7 @@ def test_format_duration():
 
 def test_jsonl_written_flushed_and_parseable(tmp_path):
     log = make(tmp_path)
+    before = time.time()
     log.log(1, {"loss": 4.0, "lr": torch.tensor(1e-3), "mfu": None})
     # Flushed per line: readable before close, as after a kill.
     assert read_jsonl(tmp_path / "metrics.jsonl")[0]["step"] == 1
@@ -54,6 +55,8 @@ def test_jsonl_written_flushed_and_parseable(tmp_path):
     log.close()
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
+    # The wall clock, unix seconds rounded to the millisecond.
+    assert before - 0.001 <= records[0]["time"] <= records[1]["time"] <= time.time() + 0.001
     assert records[0]["loss"] == 4.0 and records[0]["lr"] == pytest.approx(1e-3)
     assert "mfu" in records[0] and records[0]["mfu"] is None
     assert records[0]["eta_s"] is None
@@ -75,21 +78,30 @@ def test_resume_appends_to_same_file(tmp_path):
     assert [(r["step"], r["loss"]) for r in records] == [(1, 3.0), (2, 2.0), (3, 1.0)]
 
 
-def test_tensorboard_scalars_read_back(tmp_path):
+def test_tensorboard_scalars_read_back_grouped_with_the_config_as_text(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with make(tmp_path, tensorboard=True) as log:
-        log.log(1, {"loss": 3.5, "lr": 1e-3, "note": "text", "mfu": None})
-        log.log(2, {"loss": 2.5, "lr": 2e-3})
-        log.log(2, {"eval_loss": 2.75})
-    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+        log.describe("optim:\n  lr: 0.001\n", {"peak_bytes": 123})
+        log.log(1, {"loss": 3.5, "lr": 1e-3, "note": "text", "mfu": None, "tokens_per_s": 900.0, "mem_gb": 0.5,
+                    "mix/web": 0.25, "data_skipped": 2})
+        log.log(2, {"loss": 2.5, "lr": 2e-3, "mfu": 0.125})
+        log.log(2, {"eval_loss": 2.75, "eval_ppl": 15.6})
+    acc = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"tensors": 0})
     acc.Reload()
-    tags = set(acc.Tags()["scalars"])
-    assert tags == {"loss", "lr", "eval_loss"}
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 3.5), (2, 2.5)]
-    assert [e.step for e in acc.Scalars("lr")] == [1, 2]
-    assert acc.Scalars("lr")[1].value == pytest.approx(2e-3)
-    assert [(e.step, e.value) for e in acc.Scalars("eval_loss")] == [(2, 2.75)]
+    assert set(acc.Tags()["scalars"]) == {"train/loss", "train/lr", "perf/tokens_per_s", "perf/mem_gb", "perf/mfu",
+                                          "data/mix/web", "data/skipped", "eval/loss", "eval/ppl"}
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 3.5), (2, 2.5)]
+    assert [e.step for e in acc.Scalars("train/lr")] == [1, 2]
+    assert acc.Scalars("train/lr")[1].value == pytest.approx(2e-3)
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(2, 2.75)]
+    assert [(e.step, e.value) for e in acc.Scalars("perf/mfu")] == [(2, 0.125)]
+    assert [(e.step, e.value) for e in acc.Scalars("data/mix/web")] == [(1, 0.25)]
+    records = read_jsonl(tmp_path / "metrics.jsonl")  # metrics.jsonl keeps the flat keys, and its time is TB's
+    assert acc.Scalars("train/loss")[0].wall_time == pytest.approx(records[0]["time"], abs=1e-3)
+    texts = {tag: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]}
+    assert texts == {"config/text_summary": "    optim:\n      lr: 0.001",
+                     "plan/text_summary": '    {\n     "peak_bytes": 123\n    }'}
 
 
 def test_disabled_logger_writes_nothing(tmp_path):
@@ -177,7 +189,7 @@ def test_tensorboard_resume_hides_steps_after_checkpoint(tmp_path):
             log.log(step, {"loss": 10.0 + step})
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
 
 
 @pytest.mark.parametrize("progress", ["lines", "bar"])
