@@ -155,6 +155,10 @@ def open_stream(origin: Origin, request: StageRequest, state: dict | None = None
         raise
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds for a bad name, split, subset or file
         raise UserError(f"{request.source}: {first_line(e)}") from None
+    features = stream.features  # known from the files or the hub's metadata, or None: then each row is checked
+    if features is not None and request.text_field not in features:
+        raise UserError(f"{request.source}: its records have no field '{request.text_field}' (fields: "
+                        f"{', '.join(features)}); give --text-field")
     if state is not None:
         stream.load_state_dict(state)
     return stream
@@ -200,7 +204,7 @@ def existing_manifest(request: StageRequest, origin: Origin) -> dict | None:
     if not out.is_dir():
         raise UserError(f"{out}: exists and is not a folder; give a new or empty folder for the shards")
     if not is_staged(out):
-        if any(out.iterdir()):
+        if any(not path.name.startswith(".part-") for path in out.iterdir()):  # a first shard's temporary file
             raise UserError(f"{out}: not empty and holds no {MANIFEST}; give a new or empty folder for the shards")
         return None
     manifest = read_manifest(out)
@@ -281,13 +285,11 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
     manifest = existing_manifest(request, origin)
     if manifest is not None and manifest["complete"]:
         return manifest
-    request.out.mkdir(parents=True, exist_ok=True)
-    if manifest is None:
+    if manifest is None:  # written with the first shard: a stage refused before it leaves no folder behind
         manifest = new_manifest(request, origin)
-        save_manifest(request.out, manifest)
     else:
         origin = Origin(origin.kind, origin.name, manifest["revision"], origin.fingerprint)  # pinned at the start
-    remove_unlisted(request.out, manifest)
+        remove_unlisted(request.out, manifest)
     tokenizer = None
     if request.tokenizer:
         from clustertrain.config.schema import DataConfig
@@ -323,6 +325,7 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
             progress(rows + len(shard_texts), None if tokens is None else tokens + shard_tokens,
                      len(manifest["shards"]))
         if shard_texts and (len(shard_texts) == request.shard_rows or ended_by):
+            request.out.mkdir(parents=True, exist_ok=True)
             manifest["shards"].append(write_shard(request.out, len(manifest["shards"]), shard_texts,
                                                   shard_tokens if tokenizer else None))
             # the stream has yielded exactly the listed rows: its position is where a resumed stage goes on
