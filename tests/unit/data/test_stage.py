@@ -220,3 +220,28 @@ def test_bad_input_is_one_line_and_exit_2(dataset, tmp_path, capsys):
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))  # a refused stage writes nothing
     result = run_cli("stage", "dataset", str(folder), str(tmp_path / "o7"), "--max-rows", "1", "--max-tokens", "1")
     assert (result.returncode, result.stderr) == (2, "error: give --max-tokens or --max-rows, not both\n")
+
+
+def test_the_mixture_recipe_stages_each_part_at_its_weight():
+    """configs/frontier-pretrain-mixture.yaml: its stage commands parse, and each stages its source's weight of the
+    run's tokens (plus the same headroom), into the folder the source reads."""
+    from clustertrain.cli import build_parser
+    from clustertrain.cli.stage_cmd import count
+    from clustertrain.model.spec import load_checked_config
+
+    recipe = Path(__file__).parents[3] / "configs" / "frontier-pretrain-mixture.yaml"
+    config = load_checked_config(recipe)
+    lines = [line.removeprefix("#   ") for line in recipe.read_text().splitlines()
+             if line.startswith("#   clustertrain stage dataset")]
+    assert len(lines) == 3
+    folder = {"D": "/lustre/orion/abc123/scratch/me/data", "T": config.data.tokenizer}
+    staged = {}
+    for line in lines:
+        args = build_parser().parse_args([word.replace("$D", folder["D"]).replace("$T", folder["T"])
+                                          for word in line.split()[1:]])
+        assert args.tokenizer == config.data.tokenizer
+        staged[args.out] = count("--max-tokens", args.max_tokens)
+    weights = {s.path: s.weight / sum(t.weight for t in config.data.sources) for s in config.data.sources}
+    assert staged.keys() == weights.keys()
+    for path, tokens in staged.items():
+        assert tokens == pytest.approx(1.1 * weights[path] * config.train.tokens), path
