@@ -88,7 +88,8 @@ def run_stage(args: argparse.Namespace) -> int:
         manifest = stage_dataset(request, progress=progress.update, on_shard=progress.shard)
     rows = sum(shard["rows"] for shard in manifest["shards"])
     tokens = "" if manifest["tokenizer"] is None else f", {sum(s['tokens'] for s in manifest['shards']):,} tokens"
-    print(f"staged {rows:,} rows{tokens} in {len(manifest['shards'])} shards in {request.out} ({manifest['ended_by']}); "
+    done = "staged" if progress.read else "already complete, nothing fetched:"
+    print(f"{done} {rows:,} rows{tokens} in {len(manifest['shards'])} shards in {request.out} ({manifest['ended_by']}); "
           f"train on it with data.sources: [{{path: {request.out}}}]")
     return 0
 
@@ -104,6 +105,7 @@ class shard_progress:  # noqa: N801 - used as a context manager, named for what 
         self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                             console=self.console, transient=True, disable=not self.console.is_terminal)
         self.task = self.bar.add_task("staging", total=None)
+        self.read = False  # whether any row was read (a complete stage run again reads none)
 
     def __enter__(self) -> shard_progress:
         self.bar.start()
@@ -113,6 +115,7 @@ class shard_progress:  # noqa: N801 - used as a context manager, named for what 
         self.bar.stop()
 
     def update(self, rows: int, tokens: int | None, shards: int) -> None:
+        self.read = True
         tokens_part = "" if tokens is None else f", {tokens:,} tokens"
         self.bar.update(self.task, description=f"{rows:,} rows{tokens_part}, {shards} shards written")
 

@@ -80,16 +80,15 @@ def check_request(request: StageRequest) -> None:
             raise UserError(f"{flag} must be a positive number, not {value}")
 
 
-def find_origin(source: str, *, need_revision: bool = True) -> Origin:
-    """A local path when `source` exists; else a hub id, whose commit is asked of the hub (None when it cannot
-    be reached and `need_revision` is False, for a dry run)."""
+def find_origin(source: str) -> Origin:
+    """A local path (with its fingerprint) when `source` exists; else a hub id, its revision not yet asked."""
     path = Path(source).expanduser()
     if path.exists():
         return Origin("local", str(path.resolve()), fingerprint=fingerprint(path))
     if source.startswith(("/", ".", "~")) or source.count("/") > 1 or Path(source).suffix in FILE_BUILDERS:
         raise UserError(f"{source}: no such file or directory (give a local dataset path, or a hub id like "
                         "Zyphra/Zyda-2)")
-    return Origin("hub", source, revision=hub_revision(source, required=need_revision))
+    return Origin("hub", source)
 
 
 def hub_revision(name: str, *, required: bool = True) -> str | None:
@@ -286,6 +285,8 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
     if manifest is not None and manifest["complete"]:
         return manifest
     if manifest is None:  # written with the first shard: a stage refused before it leaves no folder behind
+        if origin.kind == "hub":
+            origin = Origin(origin.kind, origin.name, revision=hub_revision(origin.name))
         manifest = new_manifest(request, origin)
     else:
         origin = Origin(origin.kind, origin.name, manifest["revision"], origin.fingerprint)  # pinned at the start
@@ -347,10 +348,11 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
 def describe_stage(request: StageRequest) -> list[str]:
     """What `stage_dataset(request)` would fetch and write, as lines; nothing is written."""
     check_request(request)
-    origin = find_origin(request.source, need_revision=False)
+    origin = find_origin(request.source)
     manifest = existing_manifest(request, origin)
     if origin.kind == "hub":
-        where = f"hub dataset {origin.name} at revision {origin.revision or 'unknown (the hub cannot be reached)'}"
+        revision = manifest["revision"] if manifest else hub_revision(origin.name, required=False)
+        where = f"hub dataset {origin.name} at revision {revision or 'unknown (the hub cannot be reached)'}"
     else:
         files = local_files(Path(origin.name))
         where = f"local dataset {origin.name} ({len(files)} files, fingerprint {origin.fingerprint[:16]})"

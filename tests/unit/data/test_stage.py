@@ -148,7 +148,7 @@ def test_a_stage_stopped_after_any_shard_resumes_to_the_same_shards(dataset, tmp
         assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (tmp_path / "reference").iterdir())
 
 
-def test_a_stage_killed_mid_way_resumes_to_the_same_shards(tmp_path):
+def test_a_stage_killed_mid_way_resumes_to_the_same_shards(tmp_path, capsys):
     folder = tmp_path / "big"
     texts = write_jsonl_dataset(folder, files=3, rows=1000, seed=1)
     out, reference = tmp_path / "killed", tmp_path / "reference"
@@ -168,6 +168,9 @@ def test_a_stage_killed_mid_way_resumes_to_the_same_shards(tmp_path):
     ours, theirs = (json.loads((o / MANIFEST).read_text())["shards"] for o in (out, reference))
     assert ours == theirs and len(ours) == 100
     assert shard_texts(out) == texts  # no row lost or repeated
+    capsys.readouterr()
+    assert main(args) == 0  # once more: complete, so nothing is read
+    assert capsys.readouterr().out.startswith("already complete, nothing fetched: 3,000 rows in 100 shards in ")
 
 
 def test_dry_run_says_what_it_would_fetch_and_writes_nothing(dataset, tmp_path, capsys, monkeypatch):
