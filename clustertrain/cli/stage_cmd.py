@@ -1,4 +1,4 @@
-"""`clustertrain stage dataset NAME_OR_PATH OUT`: stream a slice of a dataset into local Parquet shards, on a login node.
+"""`clustertrain stage dataset NAME_OR_PATH OUT`: stream a dataset slice into local Parquet shards, on a login node.
 
     clustertrain stage dataset HuggingFaceTB/finemath /scratch/data/finemath --subset finemath-4plus \\
         --max-tokens 10B --tokenizer /scratch/models/Llama-3.2-1B
@@ -62,7 +62,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run_stage(args: argparse.Namespace) -> int:
-    from clustertrain.data.stage import StageRequest, describe_stage, stage_dataset, verify_stage
+    from clustertrain.data.stage import StageRequest, describe_stage, stage_dataset
+    from clustertrain.data.staged import verify_stage
     from clustertrain.errors import UserError
 
     if args.verify:
@@ -89,8 +90,8 @@ def run_stage(args: argparse.Namespace) -> int:
     rows = sum(shard["rows"] for shard in manifest["shards"])
     tokens = "" if manifest["tokenizer"] is None else f", {sum(s['tokens'] for s in manifest['shards']):,} tokens"
     done = "staged" if progress.read else "already complete, nothing fetched:"
-    print(f"{done} {rows:,} rows{tokens} in {len(manifest['shards'])} shards in {request.out} ({manifest['ended_by']}); "
-          f"train on it with data.sources: [{{path: {request.out}}}]")
+    print(f"{done} {rows:,} rows{tokens} in {len(manifest['shards'])} shards in {request.out} "
+          f"({manifest['ended_by']}); train on it with data.sources: [{{path: {request.out}}}]")
     return 0
 
 

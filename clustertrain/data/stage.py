@@ -191,8 +191,9 @@ def new_manifest(request: StageRequest, origin: Origin) -> dict:
     fields = asdict(request)
     identity = {key: fields[key] for key in IDENTITY}
     identity["source"] = origin.name  # a local path resolved: the same folder however it was spelled
-    return {"format": MANIFEST_FORMAT, **identity, "origin": origin.kind, "revision": origin.revision, "fingerprint": origin.fingerprint, "command": request.command,
-            "column": TEXT_COLUMN, "shards": [], "complete": False, "ended_by": None, "resume_state": None}
+    return {"format": MANIFEST_FORMAT, **identity, "origin": origin.kind, "revision": origin.revision,
+            "fingerprint": origin.fingerprint, "command": request.command, "column": TEXT_COLUMN, "shards": [],
+            "complete": False, "ended_by": None, "resume_state": None}
 
 
 def existing_manifest(request: StageRequest, origin: Origin) -> dict | None:
@@ -368,20 +369,3 @@ def describe_stage(request: StageRequest) -> list[str]:
         lines.append(f"{request.out} holds {len(manifest['shards'])} shards, {rows:,} rows of this stage ({state})")
     return lines
 
-
-def verify_stage(out: Path) -> list[str]:
-    """Each listed shard of the stage in `out` re-hashed: the problems, one line each (none: it matches)."""
-    manifest = read_manifest(out)
-    problems = [] if manifest.get("complete") else [f"{out}: a partial stage (complete is false)"]
-    for shard in manifest["shards"]:
-        path = out / shard["file"]
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(1 << 22):
-                digest.update(block)
-        if digest.hexdigest() != shard["sha256"]:
-            problems.append(f"{path}: sha256 {digest.hexdigest()[:16]}..., not the manifest's {shard['sha256'][:16]}...")
-    return problems

@@ -11,6 +11,7 @@ line: shards are added while a stage runs, and a source whose documents change u
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -57,3 +58,22 @@ def staged_files(folder: Path) -> list[Path]:
             raise DataError(f"{path}: {found}; stage {folder} again into an empty folder")
         files.append(path)
     return files
+
+
+def verify_stage(out: Path) -> list[str]:
+    """Each listed shard of the stage in `out` re-hashed: the problems, one line each (none: it matches)."""
+    manifest = read_manifest(out)
+    problems = [] if manifest.get("complete") else [f"{out}: a partial stage (complete is false)"]
+    for shard in manifest["shards"]:
+        path = out / shard["file"]
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 22):
+                digest.update(block)
+        if digest.hexdigest() != shard["sha256"]:
+            problems.append(f"{path}: sha256 {digest.hexdigest()[:16]}..., not the manifest's "
+                            f"{shard['sha256'][:16]}...")
+    return problems

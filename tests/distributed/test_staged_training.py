@@ -28,7 +28,8 @@ def staged(tmp_path_factory):
     for f in range(2):
         with (root / "hub" / f"{f}.jsonl").open("w") as out:
             for _ in range(200):
-                out.write(json.dumps({"content": " ".join(rng.choice(words) for _ in range(rng.randint(5, 80)))}) + "\n")
+                text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 80)))
+                out.write(json.dumps({"content": text}) + "\n")
     out = root / "web"
     assert main(["stage", "dataset", str(root / "hub"), str(out), "--text-field", "content", "--max-rows", "300",
                  "--shard-rows", "64"]) == 0

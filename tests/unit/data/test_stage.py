@@ -19,8 +19,8 @@ from helpers import popen, run_cli
 from clustertrain.cli import main
 from clustertrain.config.schema import DataConfig, SourceConfig
 from clustertrain.data.sources import open_source
-from clustertrain.data.stage import StageRequest, stage_dataset, verify_stage
-from clustertrain.data.staged import MANIFEST
+from clustertrain.data.stage import StageRequest, stage_dataset
+from clustertrain.data.staged import MANIFEST, verify_stage
 from clustertrain.data.tokenize import train_bpe
 from clustertrain.errors import DataError
 
@@ -184,7 +184,8 @@ def test_dry_run_says_what_it_would_fetch_and_writes_nothing(dataset, tmp_path, 
     assert lines[0].startswith(f"source: local dataset {folder} (3 files, fingerprint ")
     assert "limit: the first 1,500 rows" in lines and lines[-1] == "dry run: nothing fetched or written"
     assert not out.exists()
-    assert main(["stage", "dataset", "HuggingFaceTB/finemath", str(out), "--subset", "finemath-4plus", "--dry-run"]) == 0
+    hub_id = "HuggingFaceTB/finemath"
+    assert main(["stage", "dataset", hub_id, str(out), "--subset", "finemath-4plus", "--dry-run"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:2] == ["source: hub dataset HuggingFaceTB/finemath at revision unknown (the hub cannot be reached)",
                          "subset: finemath-4plus, split: train, text field: text"]
@@ -208,7 +209,8 @@ def bad_inputs(folder: Path, tmp_path: Path) -> list[tuple[list[str], str]]:
         ([str(folder), str(tmp_path / "o4"), "--max-tokens", "5"], "--max-tokens counts the run's tokens: give "),
         ([str(folder), str(tmp_path / "o5"), "--max-rows", "many"], "--max-rows 'many' is not a count"),
         ([str(folder), str(tmp_path / "o6"), "--split", "test"], f"{folder}: "),
-        ([str(folder), str(taken)], f"{taken} holds a stage of {other} with source {str(other)!r}, not {str(folder)!r}"),
+        ([str(folder), str(taken)],
+         f"{taken} holds a stage of {other} with source {str(other)!r}, not {str(folder)!r}"),
         ([str(folder), str(full)], f"{full}: not empty and holds no {MANIFEST}"),
     ]
 
