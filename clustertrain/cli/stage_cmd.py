@@ -54,10 +54,13 @@ def count(flag: str, value: str | None) -> int | None:
 
 
 def command_line(args: argparse.Namespace) -> str:
-    """The command that runs this stage again (to finish it), flags as given."""
+    """The command that runs this stage again (to finish it), from any folder: local paths made absolute."""
+    absolute = lambda path: str(Path(path).expanduser().absolute())  # noqa: E731
     flags = [(flag, getattr(args, flag[2:].replace("-", "_"))) for flag in
              ("--subset", "--split", "--max-tokens", "--max-rows", "--text-field", "--tokenizer", "--shard-rows")]
-    words = ["clustertrain", "stage", "dataset", args.source, args.out or ""]
+    flags = [(flag, absolute(value) if flag == "--tokenizer" and value else value) for flag, value in flags]
+    source = absolute(args.source) if Path(args.source).expanduser().exists() else args.source
+    words = ["clustertrain", "stage", "dataset", source, absolute(args.out)]
     return shlex.join(words + [word for flag, value in flags if value is not None for word in (flag, value)])
 
 

@@ -191,6 +191,8 @@ def new_manifest(request: StageRequest, origin: Origin) -> dict:
     fields = asdict(request)
     identity = {key: fields[key] for key in IDENTITY}
     identity["source"] = origin.name  # a local path resolved: the same folder however it was spelled
+    if request.tokenizer:
+        identity["tokenizer"] = str(Path(request.tokenizer).expanduser().resolve())
     return {"format": MANIFEST_FORMAT, **identity, "origin": origin.kind, "revision": origin.revision,
             "fingerprint": origin.fingerprint, "command": request.command, "column": TEXT_COLUMN, "shards": [],
             "complete": False, "ended_by": None, "resume_state": None}
@@ -297,7 +299,10 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
         from clustertrain.config.schema import DataConfig
         from clustertrain.data.tokenize import load_tokenizer
 
-        tokenizer = load_tokenizer(DataConfig(tokenizer=request.tokenizer))
+        try:
+            tokenizer = load_tokenizer(DataConfig(tokenizer=request.tokenizer))
+        except DataError as e:
+            raise DataError(str(e).replace("data.tokenizer:", "--tokenizer:", 1)) from None
     rows, tokens = totals(manifest)
     stream = open_stream(origin, request, manifest["resume_state"])
     texts = texts_of(stream, request, rows)

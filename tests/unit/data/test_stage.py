@@ -209,6 +209,8 @@ def bad_inputs(folder: Path, tmp_path: Path) -> list[tuple[list[str], str]]:
         ([str(folder), str(tmp_path / "o4"), "--max-tokens", "5"], "--max-tokens counts the run's tokens: give "),
         ([str(folder), str(tmp_path / "o5"), "--max-rows", "many"], "--max-rows 'many' is not a count"),
         ([str(folder), str(tmp_path / "o6"), "--split", "test"], f"{folder}: "),
+        ([str(folder), str(tmp_path / "o8"), "--tokenizer", str(tmp_path / "none")],
+         f"--tokenizer: {tmp_path / 'none'} is not a tokenizer directory"),
         ([str(folder), str(taken)],
          f"{taken} holds a stage of {other} with source {str(other)!r}, not {str(folder)!r}"),
         ([str(folder), str(full)], f"{full}: not empty and holds no {MANIFEST}"),
@@ -222,7 +224,7 @@ def test_bad_input_is_one_line_and_exit_2(dataset, tmp_path, capsys):
         assert main(["stage", "dataset", *args]) == 2, args
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, (args, err)
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))  # a refused stage writes nothing
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))  # a refused stage writes nothing
     result = run_cli("stage", "dataset", str(folder), str(tmp_path / "o7"), "--max-rows", "1", "--max-tokens", "1")
     assert (result.returncode, result.stderr) == (2, "error: give --max-tokens or --max-rows, not both\n")
 
