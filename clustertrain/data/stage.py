@@ -242,6 +242,29 @@ def token_counts(tokenizer, texts: list[str]) -> list[int] | None:
     return [len(one) + 1 for one in ids]
 
 
+def run_tokenizer(path: str | None):
+    """The tokenizer in folder `path` as a run loads it (its checks included), or None."""
+    if not path:
+        return None
+    from clustertrain.config.schema import DataConfig
+    from clustertrain.data.tokenize import load_tokenizer
+
+    try:
+        return load_tokenizer(DataConfig(tokenizer=path))
+    except DataError as e:
+        raise DataError(str(e).replace("data.tokenizer:", "--tokenizer:", 1)) from None
+
+
+def rows_within(counts: list[int], left: int) -> int | None:
+    """How many of the rows with these token counts a budget of `left` tokens takes, the row that reaches it
+    included; None if it takes them all and has tokens left."""
+    for end, count in enumerate(counts, 1):
+        left -= count
+        if left <= 0:
+            return end
+    return None
+
+
 def write_shard(out: Path, number: int, texts: list[str], tokens: int | None) -> dict:
     """Write shard `number` through a hidden temporary file; its manifest entry."""
     import pyarrow as pa
@@ -259,6 +282,16 @@ def write_shard(out: Path, number: int, texts: list[str], tokens: int | None) ->
     os.replace(tmp, out / name)
     return {"file": name, "sha256": digest.hexdigest(), "rows": len(texts), "tokens": tokens, "bytes": size,
             "text_bytes": sum(len(t.encode()) for t in texts)}
+
+
+def list_shard(out: Path, manifest: dict, texts: list[str], tokens: int | None, resume_state: dict | None,
+               ended_by: str | None) -> None:
+    """Write the next shard, then list it in the manifest with the stream's position after it (None and
+    `ended_by` for the last one)."""
+    out.mkdir(parents=True, exist_ok=True)
+    manifest["shards"].append(write_shard(out, len(manifest["shards"]), texts, tokens))
+    manifest.update(resume_state=resume_state, complete=ended_by is not None, ended_by=ended_by)
+    save_manifest(out, manifest)
 
 
 def save_manifest(out: Path, manifest: dict) -> None:
@@ -294,15 +327,7 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
     else:
         origin = Origin(origin.kind, origin.name, manifest["revision"], origin.fingerprint)  # pinned at the start
         remove_unlisted(request.out, manifest)
-    tokenizer = None
-    if request.tokenizer:
-        from clustertrain.config.schema import DataConfig
-        from clustertrain.data.tokenize import load_tokenizer
-
-        try:
-            tokenizer = load_tokenizer(DataConfig(tokenizer=request.tokenizer))
-        except DataError as e:
-            raise DataError(str(e).replace("data.tokenizer:", "--tokenizer:", 1)) from None
+    tokenizer = run_tokenizer(request.tokenizer)
     rows, tokens = totals(manifest)
     stream = open_stream(origin, request, manifest["resume_state"])
     texts = texts_of(stream, request, rows)
@@ -316,12 +341,9 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
         chunk = list(islice(texts, wanted))
         counts = token_counts(tokenizer, chunk)
         if counts is not None and request.max_tokens is not None:
-            left = request.max_tokens - (tokens or 0) - shard_tokens
-            for end, count in enumerate(counts, 1):
-                left -= count
-                if left <= 0:
-                    chunk, counts, ended_by = chunk[:end], counts[:end], "max_tokens"
-                    break
+            end = rows_within(counts, request.max_tokens - (tokens or 0) - shard_tokens)
+            if end is not None:
+                chunk, counts, ended_by = chunk[:end], counts[:end], "max_tokens"
         shard_texts += chunk
         shard_tokens += sum(counts or [])
         if ended_by is None and request.max_rows == rows + len(shard_texts):
@@ -332,13 +354,9 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
             progress(rows + len(shard_texts), None if tokens is None else tokens + shard_tokens,
                      len(manifest["shards"]))
         if shard_texts and (len(shard_texts) == request.shard_rows or ended_by):
-            request.out.mkdir(parents=True, exist_ok=True)
-            manifest["shards"].append(write_shard(request.out, len(manifest["shards"]), shard_texts,
-                                                  shard_tokens if tokenizer else None))
-            # the stream has yielded exactly the listed rows: its position is where a resumed stage goes on
-            manifest.update(resume_state=None if ended_by else stream.state_dict(), complete=ended_by is not None,
-                            ended_by=ended_by)
-            save_manifest(request.out, manifest)
+            # the stream has yielded exactly these rows: its position is where a resumed stage goes on
+            list_shard(request.out, manifest, shard_texts, shard_tokens if tokenizer else None,
+                       None if ended_by else stream.state_dict(), ended_by)
             rows, tokens = totals(manifest)
             shard_texts, shard_tokens = [], 0
             if on_shard:

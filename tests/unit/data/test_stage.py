@@ -72,13 +72,14 @@ def test_a_stage_holds_the_first_rows_in_order_with_checksums_and_reads_as_a_sou
 
     source = open_source(SourceConfig(path=str(out)), cache_dir=tmp_path / "cache")  # `path: OUT` just works
     assert source.format == "parquet" and [d.record["text"] for d in source.read(0, len(source))] == texts[:50]
-    assert verify_stage(out) == []
+    assert verify_stage(out) == [] and main(["stage", "dataset", "--verify", str(out)]) == 0
 
     shard = out / "part-00001.parquet"
     data = bytearray(shard.read_bytes())
     data[100] ^= 1  # a flipped bit, the size unchanged: training's open does not see it, --verify does
     shard.write_bytes(bytes(data))
     assert [line.split(":")[0] for line in verify_stage(out)] == [str(shard)]
+    assert main(["stage", "dataset", "--verify", str(out)]) == 1
     shard.write_bytes(bytes(data[:-1]))
     with pytest.raises(DataError, match=f"{shard}: {len(data) - 1} bytes, not the manifest's {len(data)}; stage"):
         open_source(SourceConfig(path=str(out)), cache_dir=tmp_path / "cache")
