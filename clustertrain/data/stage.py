@@ -238,6 +238,8 @@ def token_counts(tokenizer, texts: list[str]) -> list[int] | None:
     """Tokens training sees per text: its ids without special tokens, plus the EOS packing appends."""
     if tokenizer is None:
         return None
+    if not texts:  # the source's end: a fast tokenizer fails on an empty batch
+        return []
     ids = tokenizer(texts, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return [len(one) + 1 for one in ids]
 

@@ -114,6 +114,10 @@ def test_max_tokens_counts_what_training_sees_with_the_runs_tokenizer(dataset, t
                                           tokenizer=str(tokenizer_dir), shard_rows=10))
     assert shard_texts(tmp_path / "out") == texts[:37] and manifest["ended_by"] == "max_tokens"
     assert [s["tokens"] for s in manifest["shards"]] == [sum(counts[i:min(i + 10, 37)]) for i in range(0, 37, 10)]
+    whole = stage_dataset(StageRequest(source=str(folder), out=tmp_path / "all", max_tokens=sum(counts) + 1,
+                                       tokenizer=str(tokenizer_dir), shard_rows=10))  # the source ends first
+    assert (whole["ended_by"], [s["tokens"] for s in whole["shards"]]) == (
+        "end of source", [sum(counts[i:i + 10]) for i in range(0, 120, 10)])
 
 
 def request(folder: Path, out: Path) -> StageRequest:
