@@ -9,6 +9,7 @@
     clustertrain config show configs/tiny-llama.yaml
     clustertrain tokenizer train configs/tiny-llama.yaml tokenizers/code-4k
     clustertrain data audit runs/tiny-llama
+    clustertrain stage dataset HuggingFaceTB/finemath data/finemath --subset finemath-4plus --max-rows 1M
     clustertrain export runs/tiny-llama exports/tiny-llama      # HF safetensors directory
     clustertrain import path/to/hf-model checkpoints/start      # a checkpoint to start from (--resume PATH)
     clustertrain slurm submit configs/tiny-llama.yaml --set slurm.nodes=2   # sbatch, requeued until done
@@ -29,20 +30,20 @@ from clustertrain.errors import UserError, note_user_error
 from clustertrain.torch_check import installed_torch, torch_problem
 
 # Login-node commands: they never import torch.
-WITHOUT_TORCH = {"download", "config", "slurm", "env", "plot", "status"}
+WITHOUT_TORCH = {"download", "stage", "config", "slurm", "env", "plot", "status"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from clustertrain.cli import (config_cmd, data_cmd, doctor_cmd, download_cmd, env_cmd, eval_cmd, export_cmd,
-                                  generate_cmd, plan_cmd, plot_cmd, slurm_cmd, status_cmd, tokenizer_cmd, train_cmd,
-                                  verify_cmd)
+                                  generate_cmd, plan_cmd, plot_cmd, slurm_cmd, stage_cmd, status_cmd, tokenizer_cmd,
+                                  train_cmd, verify_cmd)
 
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in (train_cmd, verify_cmd, doctor_cmd, config_cmd, plan_cmd, data_cmd, tokenizer_cmd, export_cmd,
-                   generate_cmd, eval_cmd, download_cmd, slurm_cmd, status_cmd, env_cmd, plot_cmd):
+                   generate_cmd, eval_cmd, download_cmd, stage_cmd, slurm_cmd, status_cmd, env_cmd, plot_cmd):
         module.add_parser(commands)
     return parser
 
@@ -75,7 +76,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if args.command != "download":
+    if args.command not in ("download", "stage"):  # the two that fetch from the hub, on a login node
         work_offline()
     try:
         return args.run(args) or 0

@@ -94,7 +94,8 @@ TextUnit = Annotated[Literal["file", "paragraph", "line"], BeforeValidator(lambd
 
 
 class SourceConfig(Section):
-    path: str | None = Field(None, description="A file, a directory of shards, or a glob.")
+    path: str | None = Field(None, description="A file, a directory of shards, a glob, or a folder `clustertrain stage "
+                             "dataset` wrote (its complete manifest lists the shards).")
     hf_name: str | None = Field(None, description="A Hugging Face dataset name, read from the local HF cache (offline).")
     hf_config: str | None = Field(None, description="The dataset's config (subset) name, for hf_name.")
     split: str = Field("train", description="The dataset split, for hf_name and hf_disk.")

@@ -30,7 +30,7 @@ from itertools import accumulate
 from pathlib import Path
 
 from clustertrain.config.schema import FILE_FORMATS, SourceConfig
-from clustertrain.data import columnar, readers
+from clustertrain.data import columnar, readers, staged
 from clustertrain.data.readers import BadData, Row, Shard, check_text, json_type, special_kind
 from clustertrain.errors import DataError
 
@@ -210,11 +210,14 @@ def text_of(doc: Document, field: str) -> str:
 def resolve_files(pattern: str, fmt: str = "auto") -> tuple[str, list[Path]]:
     """The format and the sorted files of a path, a directory or a glob.
 
-    A directory written by `save_to_disk` is one `hf_disk` source. Other directories are searched
+    A directory written by `save_to_disk` is one `hf_disk` source, and one written by `clustertrain stage
+    dataset` the Parquet shards its manifest lists (a partial stage refused). Other directories are searched
     recursively for data files (hidden ones and unknown extensions left out); under `format: auto`
     their extensions must agree.
     """
     path = Path(pattern).expanduser()
+    if path.is_dir() and fmt in ("auto", "parquet") and staged.is_staged(path):
+        return "parquet", staged.staged_files(path)
     if path.is_dir():
         if fmt == "hf_disk" or (fmt == "auto" and _saved_dataset(path)):
             return "hf_disk", [path]
