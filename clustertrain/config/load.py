@@ -274,7 +274,7 @@ def _describe(err: dict[str, Any]) -> str:
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     message = err["msg"].removeprefix("Value error, ")
-    if not loc:  # a rule across sections names its keys itself
+    if not loc or message.startswith(f"{key}."):  # a rule across sections, or a section's, names its keys itself
         return f"config error: {message}"
     return f"config error: {key}{shown}: {message}"
 
