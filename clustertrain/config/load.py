@@ -204,7 +204,9 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
             node = _list_item(node, part, key, ".".join(parents[:i]), {} if not follows_index else [])
             continue
         child = node.setdefault(part, [] if follows_index else {})
-        if not isinstance(child, (dict, list)) or (isinstance(child, list) and not follows_index):
+        if isinstance(child, list) and not follows_index:
+            _index(child, parents[i + 1] if i + 1 < len(parents) else leaf, key, ".".join(parents[: i + 1]))
+        if not isinstance(child, (dict, list)):
             raise ConfigError(f"override {key}: {'.'.join(parents[: i + 1])} is not a section")
         node = child
     if isinstance(node, list):
