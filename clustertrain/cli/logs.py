@@ -35,6 +35,14 @@ class _Lowercase(logging.Formatter):
         return f"{record.levelname.lower()}: {message}" if record.levelno >= logging.WARNING else message
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever sys.stderr is at the time of each record (a test's capture, a redirected stream)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 class _Rank0(logging.Filter):
     """Only rank 0 talks, unless every rank was asked to (`--log-all-ranks`); errors always pass."""
 
@@ -60,7 +68,7 @@ def setup_logging(level: str | None, all_ranks: bool = False) -> None:
         level = "info"
     os.environ[LEVEL_ENV] = level
     numeric = getattr(logging, level.upper())
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Stderr()
     handler.setFormatter(_Lowercase())
     handler.addFilter(_Rank0(_rank(), all_ranks))
     for name in ("clustertrain", "py.warnings"):
