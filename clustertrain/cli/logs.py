@@ -14,16 +14,17 @@ import warnings
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LEVEL_ENV = "CLUSTERTRAIN_LOG_LEVEL"  # how ranks a command starts (--nproc, Slurm steps) inherit --log-level
 
-# Warnings that say nothing a clustertrain user can act on: deprecations inside the libraries, and torch's notes
-# on its own internals. (module regex, message regex, category); shown again from --log-level debug on.
+# Warnings that say nothing a clustertrain user can act on: the libraries' deprecations of their own internals, and
+# torch's notes on its own machinery. (category, message regex, module regex: where the warning is attributed, or
+# "" for any); shown again from --log-level debug on.
+LIBRARIES = r"(transformers|peft|datasets|huggingface_hub|accelerate|torch|tokenizers)(\..*)?"
 QUIET_WARNINGS = [
-    (r"(transformers|peft|datasets|huggingface_hub|accelerate|torch)(\..*)?", r".*", FutureWarning),
-    (r"(transformers|peft|datasets|huggingface_hub|accelerate|torch)(\..*)?", r".*", DeprecationWarning),
-    (r"torch(\..*)?", r".*TypedStorage is deprecated.*", UserWarning),
-    (r"torch(\..*)?", r".*(single process|_register_pytree_node|torch\.utils\._pytree).*", UserWarning),
-    (r"torch\.distributed(\..*)?", r".*(barrier|No device id is provided).*", UserWarning),
-    (r"torch\.utils\.data(\..*)?", r".*This DataLoader will create.*worker processes.*", UserWarning),
-    (r"peft(\..*)?", r".*(Already found a `peft_config`|fan_in_fan_out).*", UserWarning),
+    (FutureWarning, r".*", LIBRARIES),
+    (DeprecationWarning, r".*", LIBRARIES),
+    (UserWarning, r".*TypedStorage is deprecated.*", ""),
+    (UserWarning, r".*(_register_pytree_node|torch\.utils\._pytree).*", ""),
+    (UserWarning, r".*No device id is provided via `init_process_group` or `barrier`.*", ""),
+    (UserWarning, r".*This DataLoader will create .* worker processes in total.*", ""),
 ]
 
 
@@ -87,7 +88,7 @@ def quiet_libraries(level: str) -> None:
         os.environ.setdefault(variable, library_level)
     if level == "debug":
         return
-    for module, message, category in QUIET_WARNINGS:
+    for category, message, module in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
