@@ -18,7 +18,7 @@ from clustertrain.config import convert_tables as tables
 from clustertrain.config.convert_tables import HF_DEFAULTS, LLAMA3_COMMON, LLAMA3_FLAVORS, Unmapped
 from clustertrain.config.keys import schema_keys
 from clustertrain.config.load import read_config_file, read_utf8, set_dotted, validate
-from clustertrain.config.schema import strategy_of_stage
+from clustertrain.config.strategy import strategy_of_stage
 from clustertrain.errors import ConfigError
 
 FORMATS = ("torchtitan", "hf", "stub")
