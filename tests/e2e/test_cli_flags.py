@@ -40,6 +40,8 @@ def test_slurm_render_and_env_take_them(capsys):
     assert main(["slurm", "render", "--slurm.nodes", "3", "--train.steps=7", "--slurm.modules.0", "rocm/6.2"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --nodes=3" in script and "--set=train.steps=7" in script and "rocm/6.2" in script
+    assert main(["slurm", "render", "--log-level", "warning"]) == 0
+    assert "train --log-level warning" in capsys.readouterr().out
     assert main(["env", "--slurm.modules.0", "rocm/6.2", "--slurm.modules.1=cray-python"]) == 0
     out = capsys.readouterr().out
     assert out.index("rocm/6.2") < out.index("cray-python")
