@@ -191,18 +191,13 @@ class ParallelConfig(Section):
         description="Data parallelism: DDP, FSDP2 grad-op shard (zero2), FSDP2 full shard (zero3), or their hybrid "
         "forms (replicate across groups, shard within). auto: the layout (strategy, tp, micro batch, activation "
         "checkpointing) that `clustertrain plan --search` ranks fastest among those that fit, chosen again at "
-        "every start (a requeue on another node count re-plans). Also read: zero3_hybrid (hybrid_zero3), "
-        "zero2_hybrid (hybrid_zero2), and the keys `sharding_stage: 0|2|3` with `zero3_hybrid: true|false` in place of "
-        "strategy, as the DDP/ZeRO training stub writes them.",
+        "every start (a requeue on another node count re-plans). Also read: the training stub's zero3_hybrid, "
+        "zero2_hybrid, and keys `sharding_stage: 0|2|3` with `zero3_hybrid: true|false` (config/strategy.py).",
     )
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="Ranks per shard group for hybrid strategies; default: the ranks of one node."
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _stage_aliases(cls, data: Any) -> Any:
-        return read_stage_keys(data)
+    _stage_keys = model_validator(mode="before")(classmethod(lambda cls, data: read_stage_keys(data)))
     tp: int = Field(1, gt=0, description="Tensor-parallel degree: each block's linears split over this many ranks "
                     "(the model's own `base_model_tp_plan`).")
     pp: int = Field(1, gt=0, description="Pipeline-parallel degree: the decoder layers split over this many ranks, "
