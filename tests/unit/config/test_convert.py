@@ -165,3 +165,20 @@ def _flat(tree: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{key}"] = value
     return out
+
+
+def test_training_arguments_as_yaml_with_trl_s_lora_keys_and_epochs(tmp_path):
+    (tmp_path / "sft.yaml").write_text(
+        "model_name_or_path: Qwen/Qwen2-0.5B\nlearning_rate: 1.0e-4\nnum_train_epochs: 2\nwarmup_ratio: 0.1\n"
+        "per_device_train_batch_size: 2\nuse_peft: true\nlora_r: 8\nlora_target_modules: [q_proj, v_proj]\n"
+        "max_seq_length: 1024\n")
+    conversion = convert(tmp_path / "sft.yaml")
+    (tmp_path / "c.yaml").write_text(conversion.to_yaml("sft.yaml"))
+    config = load_config(tmp_path / "c.yaml")
+    assert (config.model.hub_id, config.data.seq_len) == ("Qwen/Qwen2-0.5B", 1024)
+    assert (config.train.steps, config.train.epochs, config.train.micro_batch_size, config.train.grad_accum) == \
+        (None, 2.0, 2, 1)
+    assert (config.lora.rank, config.lora.alpha, config.lora.target_modules) == (8, 32, ["q_proj", "v_proj"])
+    assert (config.optim.weight_decay, config.optim.betas, config.optim.schedule) == (0.0, (0.9, 0.999), "linear")
+    assert conversion.unmapped == ["warmup_ratio = 0.1: a share of the steps, which epochs leave open; give "
+                                   "optim.warmup_steps"]
