@@ -59,7 +59,7 @@ def convert(path: str | Path, deepspeed: str | Path | None = None, source: str |
         raise ConfigError(f"--from {source}: use one of {', '.join(FORMATS)}")
     flat = flatten(data)
     if source == "hf" and deepspeed is None and isinstance(flat.get("deepspeed"), str):
-        deepspeed = path.parent / flat["deepspeed"]  # TrainingArguments name their DeepSpeed JSON
+        deepspeed = _named_deepspeed(path, flat["deepspeed"])
     if source == "hf" and not set(data) & tables.HF_MARKERS and set(data) & tables.DEEPSPEED_MARKERS:
         if deepspeed is not None:
             raise ConfigError(f"{path} is a DeepSpeed JSON; give the TrainingArguments first, then it")
@@ -75,10 +75,20 @@ def convert(path: str | Path, deepspeed: str | Path | None = None, source: str |
     FINISH[conversion.source](flat, targets, conversion.unmapped)
     conversion.config = _nested(targets)
     try:
-        validate(json.loads(json.dumps(conversion.config)))
+        validate(conversion.config)
     except ConfigError as e:
         raise ConfigError(f"{path}: the converted config is refused: {' / '.join(str(e).splitlines())}") from None
     return conversion
+
+
+def _named_deepspeed(path: Path, named: str) -> Path:
+    """The DeepSpeed JSON that TrainingArguments' `deepspeed` key names: from the working directory, as HF reads
+    it, or else next to the arguments' file."""
+    for candidate in (Path(named), path.parent / named):
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"{path}: deepspeed = {named!r}: no such file here or next to {path.name}; give the DeepSpeed "
+                      "JSON as the second argument")
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -205,7 +205,8 @@ def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
             continue
         child = node.setdefault(part, [] if follows_index else {})
         if isinstance(child, list) and not follows_index:
-            _index(child, parents[i + 1] if i + 1 < len(parents) else leaf, key, ".".join(parents[: i + 1]))
+            where = ".".join(parents[: i + 1])
+            raise ConfigError(f"override {key}: {where} is a list; index its items by number, e.g. {where}.0")
         if not isinstance(child, (dict, list)):
             raise ConfigError(f"override {key}: {'.'.join(parents[: i + 1])} is not a section")
         node = child

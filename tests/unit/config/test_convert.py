@@ -142,6 +142,8 @@ def test_stage_aliases_that_mean_none_of_ours_are_one_line_errors(overrides, mes
     ("foo: 1\n", "x.yaml", "neither TrainingArguments keys"),
     ('{"learning_rate": "fast"}', "a.json", "the converted config is refused: config error: optim.lr = 'fast'"),
     ("[training]\nsteps = 0\n", "t.toml", "config error: train.steps = 0: Input should be greater than 0"),
+    ('{"learning_rate": 1e-4, "deepspeed": "nope.json"}', "a.json", "deepspeed = 'nope.json': no such file here or "
+                                                                     "next to a.json"),
 ])
 def test_what_cannot_be_converted_is_one_line(tmp_path, capsys, text, name, message):
     (tmp_path / name).write_text(text)
