@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -92,6 +93,7 @@ def _main(argv: list[str] | None) -> int:
         return 0
     reject_extras(parser, args.command, extras, typed)
     setup_logging(args.log_level, getattr(args, "log_all_ranks", False))
+    logging.getLogger("clustertrain.cli").debug("clustertrain %s, arguments as read: %s", args.command, argv)
     if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):
         print(f"error: {problem}", file=sys.stderr)
         return 2

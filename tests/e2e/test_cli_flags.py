@@ -103,6 +103,12 @@ def test_a_bare_clustertrain_prints_the_help_and_exits_0(capsys):
     assert out.startswith("usage: clustertrain") and "config keys" in out and "--log-level" in out
 
 
+def test_debug_shows_the_arguments_as_read(capsys):
+    assert main(["--log-level", "debug", "config", "show", "--optim.lr", "1e-3"]) == 0
+    assert "clustertrain config, arguments as read: ['config', 'show', '--set=optim.lr=1e-3']" in \
+        capsys.readouterr().err
+
+
 def logger(buffer: io.StringIO) -> MetricsLogger:
     import tempfile
 
