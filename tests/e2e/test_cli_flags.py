@@ -105,8 +105,9 @@ def test_a_bare_clustertrain_prints_the_help_and_exits_0(capsys):
 
 def test_debug_shows_the_arguments_as_read(capsys):
     assert main(["--log-level", "debug", "config", "show", "--optim.lr", "1e-3"]) == 0
-    assert "clustertrain config, arguments as read: ['--log-level', 'debug', 'config', 'show', '--set=optim.lr=1e-3']" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "clustertrain config, arguments as read: ['--log-level', 'debug', 'config', 'show', " \
+           "'--set=optim.lr=1e-3']" in err
 
 
 def logger(buffer: io.StringIO) -> MetricsLogger:

@@ -123,8 +123,9 @@ def test_the_stub_s_keys_load_as_they_are(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["parallel.sharding_stage=1"], "config error: parallel.sharding_stage = 1: use 0 (ddp), 2 (zero2) or 3 (zero3); "
-                                    "ZeRO-1 shards only optimizer states: zero2 (stage 2) shards them with the gradients"),
+    (["parallel.sharding_stage=1"],
+     "config error: parallel.sharding_stage = 1: use 0 (ddp), 2 (zero2) or 3 (zero3); ZeRO-1 shards only optimizer "
+     "states: zero2 (stage 2) shards them with the gradients"),
     (["parallel.sharding_stage=2", "parallel.zero3_hybrid=true"],
      "config error: parallel.zero3_hybrid with sharding_stage = 2: zero3_hybrid is a ZeRO-3 form; set "
      "parallel.strategy: hybrid_zero2 for ZeRO-2 within a node"),
