@@ -91,7 +91,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command is None:  # a bare `clustertrain`: what it can do, not a usage error
         parser.print_help()
         return 0
-    reject_extras(parser, args.command, extras, typed)
+    reject_extras(parser, argv, extras, typed)
     setup_logging(args.log_level, getattr(args, "log_all_ranks", False))
     logging.getLogger("clustertrain.cli").debug("clustertrain %s, arguments as read: %s", args.command, argv)
     if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):

@@ -45,14 +45,25 @@ def dotted_to_set(argv: list[str]) -> tuple[list[str], dict[str, str]]:
     return out, typed
 
 
-def reject_extras(parser: argparse.ArgumentParser, command: str, extras: list[str], typed: dict[str, str]) -> None:
-    """argparse's error for arguments no parser took, naming a `--section.key` flag given to a command without a
-    config as such."""
+def reject_extras(parser: argparse.ArgumentParser, argv: list[str], extras: list[str], typed: dict[str, str]) -> None:
+    """argparse's error for arguments no parser took, from the command's own parser (its usage line), naming a
+    `--section.key` flag given to a command without a config as such."""
+    if not extras:
+        return
+    command = _command_parser(parser, argv)
     for extra in extras:
         if extra in typed:
-            parser.error(f"{typed[extra]}: `clustertrain {command}` takes no config, so no config key flags")
-    if extras:
-        parser.error(f"unrecognized arguments: {' '.join(extras)}")
+            command.error(f"{typed[extra]}: `{command.prog}` takes no config, so no config key flags")
+    command.error(f"unrecognized arguments: {' '.join(extras)}")
+
+
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The parser of the (sub)command that `argv` names: `config show` under `config`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = next((action.choices[arg] for arg in argv if arg in action.choices), None)
+            return parser if chosen is None else _command_parser(chosen, argv)
+    return parser
 
 
 def version_line() -> str:
