@@ -26,3 +26,24 @@ def no_run_left_running():
     from helpers import kill_started
 
     kill_started()
+
+
+@pytest.fixture(autouse=True)
+def logging_as_it_was():
+    """A test that runs the CLI in-process (main()) leaves no --log-level, handler or library verbosity behind."""
+    import logging
+
+    names = ("CLUSTERTRAIN_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY")
+    env = {name: os.environ.get(name) for name in names}
+    loggers = {name: logging.getLogger(name) for name in ("clustertrain", "py.warnings")}
+    state = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in loggers.items()}
+    yield
+    for name, (handlers, level, propagate) in state.items():
+        loggers[name].handlers[:], loggers[name].propagate = handlers, propagate
+        loggers[name].setLevel(level)
+    logging.captureWarnings(False)
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

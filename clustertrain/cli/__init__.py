@@ -2,11 +2,14 @@
 
     clustertrain train                              # the embedded default: a tiny Llama on Python's stdlib
     clustertrain train configs/tiny-llama.yaml --nproc 2 --set optim.lr=1e-3
+    clustertrain train configs/tiny-llama.yaml --optim.lr 1e-3 --data.sources.0.path data/train.jsonl
     torchrun --nproc_per_node 8 -m clustertrain train configs/tiny-llama.yaml
     srun -N 2 --ntasks-per-node 8 clustertrain train configs/tiny-llama.yaml
     clustertrain verify configs/tiny-llama.yaml --nproc 2 --set parallel.strategy=zero3  # losses match 1 rank
     srun -N 2 --ntasks-per-node 8 clustertrain doctor configs/tiny-llama.yaml   # every rank checked, slow ones named
     clustertrain config show configs/tiny-llama.yaml
+    clustertrain config keys optim                            # every key: type, default, help
+    clustertrain config convert torchtitan.toml               # a torchtitan, TRL/HF (+ DeepSpeed) or stub config
     clustertrain tokenizer train configs/tiny-llama.yaml tokenizers/code-4k
     clustertrain data audit runs/tiny-llama
     clustertrain stage dataset HuggingFaceTB/finemath data/finemath --subset finemath-4plus --max-rows 1M
@@ -22,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
 
+from clustertrain.cli.logs import LOG_LEVELS, setup_logging
+from clustertrain.cli.options import add_shared_flags, dotted_to_set, reject_extras, version_line
 from clustertrain.errors import UserError, note_user_error
 from clustertrain.torch_check import installed_torch, torch_problem
 
@@ -41,10 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="clustertrain", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--log-level", choices=LOG_LEVELS, type=str.lower, default=None,
+                        help="what the run says: debug, info (the default), warning (warnings and errors only), "
+                        "error; library warnings show from debug on (set for the ranks a command starts too)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in (train_cmd, verify_cmd, doctor_cmd, config_cmd, plan_cmd, data_cmd, tokenizer_cmd, export_cmd,
                    generate_cmd, eval_cmd, download_cmd, stage_cmd, slurm_cmd, status_cmd, env_cmd, plot_cmd):
         module.add_parser(commands)
+    add_shared_flags(parser, LOG_LEVELS)
     return parser
 
 
@@ -72,7 +83,18 @@ def keep_exit_code(code: int) -> None:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        argv, typed = dotted_to_set(sys.argv[1:] if argv is None else list(argv))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    args, extras = parser.parse_known_args(argv)
+    if args.command is None:  # a bare `clustertrain`: what it can do, not a usage error
+        parser.print_help()
+        return 0
+    reject_extras(parser, argv, extras, typed)
+    setup_logging(args.log_level, getattr(args, "log_all_ranks", False))
+    logging.getLogger("clustertrain.cli").debug("clustertrain %s, arguments as read: %s", args.command, argv)
     if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):
         print(f"error: {problem}", file=sys.stderr)
         return 2

@@ -1,9 +1,13 @@
-"""`clustertrain config show|check CONFIG`: print the resolved config, or check it against a world size.
+"""`clustertrain config show|check|keys|convert`: the resolved config, a check against a world size, the keys,
+and a config converted from torchtitan, HF/TRL TrainingArguments (+ DeepSpeed) or the training stub.
 
     clustertrain config show configs/tiny-llama.yaml
     clustertrain config show configs/frontier-llama3-8b.yaml --nodes 64      # as the run will resolve it there
     clustertrain config check configs/frontier-llama3-8b.yaml --nodes 64     # ranks per node from its slurm section
     clustertrain config check configs/tiny-llama.yaml --world 40 --set parallel.tp=2
+    clustertrain config keys parallel                                         # types, defaults, help
+    clustertrain config convert llama3_8b.toml -o llama3_8b.yaml              # torchtitan
+    clustertrain config convert sft_args.json ds_config.json -o sft.yaml       # TRL/HF + DeepSpeed
 """
 
 from __future__ import annotations
@@ -26,6 +30,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     _add_world(check, required=True, what="ranks in all")
     check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. optim.lr=3e-4")
     check.set_defaults(run=run_check)
+    keys = actions.add_parser("keys", help="list the config keys with their types, defaults and help")
+    keys.add_argument("section", nargs="?", help="a section (optim) or key prefix (data.sources); default: all")
+    keys.set_defaults(run=run_keys)
+    convert = actions.add_parser(
+        "convert", help="write a clustertrain config from a torchtitan TOML, HF/TRL TrainingArguments (JSON or YAML) "
+        "with a DeepSpeed JSON, or the training stub's YAML; one line per key not mapped")
+    convert.add_argument("file", help="the config to convert (.toml, .json, .yaml)")
+    convert.add_argument("ds_config", nargs="?", help="a DeepSpeed JSON to go with TrainingArguments (default: "
+                         "their `deepspeed` key)")
+    convert.add_argument("-o", "--out", metavar="YAML", help="write the config here (default: print it)")
+    convert.add_argument("--from", dest="source", choices=("torchtitan", "hf", "stub"),
+                         help="the file's format (default: told from its extension and keys)")
+    convert.set_defaults(run=run_convert)
 
 
 def _add_world(parser: argparse.ArgumentParser, required: bool, what: str) -> None:
@@ -97,4 +114,31 @@ def run_check(args: argparse.Namespace) -> int:
         raise ConfigError(f"{where}: {count}\n" + "\n".join(f"  {p}" for p in problems))
     device = None if config.parallel.device == "auto" else config.parallel.device
     print(f"OK: {where}: {_summary(resolve_run(config, world, local, device))}")
+    return 0
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from clustertrain.config.keys import describe_keys, schema_keys
+
+    print(describe_keys(schema_keys(args.section)), end="")
+    return 0
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    from clustertrain.config.convert import convert
+
+    conversion = convert(args.file, args.ds_config, args.source)
+    text = conversion.to_yaml(Path(args.file).name + (f" + {Path(args.ds_config).name}" if args.ds_config else ""))
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text, end="")
+    for line in conversion.unmapped:
+        print(f"not mapped: {line}", file=sys.stderr)
+    if args.out:
+        print(f"wrote {args.out} ({len(conversion.unmapped)} key(s) not mapped); check it with: clustertrain config "
+              f"check {args.out} --world N", file=sys.stderr)
     return 0

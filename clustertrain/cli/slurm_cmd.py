@@ -92,6 +92,8 @@ def run_render(args: argparse.Namespace) -> int:
     config = _load(args)
     train_args = [str(Path(args.config).resolve())] if args.config else []
     train_args += [f"--set={o}" for o in args.set]
+    if getattr(args, "log_level", None):  # `slurm submit` passes it on in the environment sbatch exports
+        train_args += ["--log-level", args.log_level]
     script = render_script(config, train_args, Path.cwd(), args.config or "the embedded default config")
     if args.output:
         Path(args.output).write_text(script)

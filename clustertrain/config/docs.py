@@ -18,7 +18,11 @@ def render_reference() -> str:
         "# Config reference",
         "",
         "Generated from `clustertrain/config/schema.py` by `python -m clustertrain.config.docs`; "
-        "a test keeps it current. Set any key in a YAML/TOML file or with `--set section.key=value`.",
+        "a test keeps it current. Set any key in a YAML/TOML file, with `--set section.key=value` or with "
+        "`--section.key value` (list items by index: `--data.sources.0.path PATH`); `clustertrain config keys "
+        "[SECTION]` prints the same list. `clustertrain config convert` writes a config from a torchtitan TOML, HF/TRL "
+        "TrainingArguments with a DeepSpeed JSON, or the DDP/ZeRO training stub's YAML (README: coming from torchtitan "
+        "/ TRL / DeepSpeed).",
     ]
     for name, field in RunConfig.model_fields.items():
         section = field.annotation

@@ -194,15 +194,47 @@ def load_yaml(text: str, where: str) -> Any:
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
-    """Set `a.b.c` in a nested dict, creating intermediate mappings."""
+    """Set `a.b.c` in a nested dict, creating intermediate mappings; a number indexes a list
+    (`data.sources.0.path`), and the index one past the end appends an item (a list not given is empty)."""
     *parents, leaf = key.split(".")
-    node = tree
+    node: Any = tree
     for i, part in enumerate(parents):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
+        follows_index = (parents + [leaf])[i + 1].isdigit()
+        if isinstance(node, list):
+            node = _list_item(node, part, key, ".".join(parents[:i]), {} if not follows_index else [])
+            continue
+        child = node.setdefault(part, [] if follows_index else {})
+        if isinstance(child, list) and not follows_index:
+            where = ".".join(parents[: i + 1])
+            raise ConfigError(f"override {key}: {where} is a list; index its items by number, e.g. {where}.0")
+        if not isinstance(child, (dict, list)):
             raise ConfigError(f"override {key}: {'.'.join(parents[: i + 1])} is not a section")
         node = child
-    node[leaf] = value
+    if isinstance(node, list):
+        index = _index(node, leaf, key, ".".join(parents))
+        node[index:index + 1] = [value]
+    else:
+        node[leaf] = value
+
+
+def _index(items: list[Any], part: str, key: str, where: str) -> int:
+    if not part.isdigit():
+        raise ConfigError(f"override {key}: {where} is a list; index its items by number, e.g. {where}.0")
+    index = int(part)
+    if index > len(items):
+        raise ConfigError(f"override {key}: {where} has {len(items)} item(s) here; give an index from 0 to "
+                          f"{len(items)} ({len(items)} appends one)")
+    return index
+
+
+def _list_item(items: list[Any], part: str, key: str, where: str, empty: Any) -> Any:
+    """The item at `part` of `items` (appended as `empty` at the end), a section or list to descend into."""
+    index = _index(items, part, key, where)
+    if index == len(items):
+        items.append(empty)
+    if not isinstance(items[index], (dict, list)):
+        raise ConfigError(f"override {key}: {where}.{index} is a value, not a section")
+    return items[index]
 
 
 def validate(raw: dict[str, Any], checks: Sequence[Check] = ()) -> RunConfig:
@@ -245,7 +277,7 @@ def _describe(err: dict[str, Any]) -> str:
     value = err.get("input")
     shown = "" if isinstance(value, dict) else f" = {value!r}"
     message = err["msg"].removeprefix("Value error, ")
-    if not loc:  # a rule across sections names its keys itself
+    if not loc or message.startswith(f"{key}."):  # a rule across sections, or a section's, names its keys itself
         return f"config error: {message}"
     return f"config error: {key}{shown}: {message}"
 

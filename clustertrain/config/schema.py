@@ -14,6 +14,7 @@ from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
 from clustertrain.config.section import Section
 from clustertrain.config.slurm_schema import SLURM_TIME_FORMS, SlurmConfig, Walltime, walltime_seconds
+from clustertrain.config.strategy import Strategy, read_stage_keys
 from clustertrain.config.tracker_schema import MlflowConfig, WandbConfig
 
 
@@ -188,16 +189,18 @@ class DataConfig(Section):
 
 
 class ParallelConfig(Section):
-    strategy: Literal["ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3", "auto"] = Field(
+    strategy: Strategy = Field(
         "ddp",
         description="Data parallelism: DDP, FSDP2 grad-op shard (zero2), FSDP2 full shard (zero3), or their hybrid "
         "forms (replicate across groups, shard within). auto: the layout (strategy, tp, micro batch, activation "
         "checkpointing) that `clustertrain plan --search` ranks fastest among those that fit, chosen again at "
-        "every start (a requeue on another node count re-plans).",
+        "every start (a requeue on another node count re-plans). Also read: the training stub's zero3_hybrid, "
+        "zero2_hybrid, and keys `sharding_stage: 0|2|3` with `zero3_hybrid: true|false` (config/strategy.py).",
     )
     hybrid_shard_size: int | None = Field(
         None, gt=0, description="Ranks per shard group for hybrid strategies; default: the ranks of one node."
     )
+    _stage_keys = model_validator(mode="before")(classmethod(lambda cls, data: read_stage_keys(data)))
     tp: int = Field(1, gt=0, description="Tensor-parallel degree: each block's linears split over this many ranks "
                     "(the model's own `base_model_tp_plan`).")
     pp: int = Field(1, gt=0, description="Pipeline-parallel degree: the decoder layers split over this many ranks, "
@@ -315,11 +318,8 @@ class TrainConfig(Section):
         return self
     eval_every: int = Field(100, ge=0, description="Evaluate every N steps and at the end; 0 disables.")
     eval_batches: int = Field(4, gt=0, description="Global batches per evaluation.")
-    eval_tasks: list[str] = Field(
-        [], description="lm-eval tasks scored at each evaluation, logged as eval_<task>_<metric>: names (data in the "
-        "local cache), task .yaml files or prompt/completion .jsonl files, as `clustertrain eval --tasks` takes them; "
-        "needs the `eval` extra. See docs/generate-eval.md.",
-    )
+    eval_tasks: list[str] = Field([], description="lm-eval tasks scored at each evaluation (eval_<task>_<metric>), "
+                                  "as `clustertrain eval --tasks` takes them; the `eval` extra. See docs/generate-eval.md.")
     eval_tasks_limit: int | None = Field(200, gt=0, description="Documents per task at each evaluation; null: all.")
     sample_tokens: int = Field(40, ge=0, description="Tokens of the sample generated at the end; 0 disables.")
     sample_prompt: str | None = Field(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -342,8 +343,10 @@ class MetricsLogger:
         self._writer.flush()
 
     def info(self, message: str) -> None:
-        """Prints a plain message line (above the progress bar when there is one)."""
-        if self.enabled and not self._closed:
+        """Prints a plain message line (above the progress bar when there is one), unless `--log-level` is above
+        its level: warning for a line that starts with `warning:`, else info."""
+        level = logging.WARNING if message.startswith("warning:") else logging.INFO
+        if self.enabled and not self._closed and level >= logging.getLogger("clustertrain").level:
             self._print(message)
 
     def _print(self, text: str) -> None:

@@ -111,8 +111,8 @@ def test_a_line_break_never_reaches_the_job_script(override, key):
 
 @pytest.mark.parametrize(("override", "message"), [
     ("slurm.nodes=1000000000", "config error: slurm.nodes = 1000000000: Input should be less than or equal to 100000"),
-    ("slurm.job_name=" + "x" * 120_000, "config error: slurm: slurm.job_name: 120,000 characters; at most 200"),
-    ('slurm.job_name="run\\x1b[2J\\x07"', "config error: slurm: slurm.job_name: holds the control character "
+    ("slurm.job_name=" + "x" * 120_000, "config error: slurm.job_name: 120,000 characters; at most 200"),
+    ('slurm.job_name="run\\x1b[2J\\x07"', "config error: slurm.job_name: holds the control character "
                                           "'\\x1b'; use printable characters only"),
     ("name=" + "x" * 120_000, "name: 120,000 characters is too long for a Slurm job name (at most 200); set "
                               "slurm.job_name, or a shorter name"),
