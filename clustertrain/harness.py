@@ -77,22 +77,11 @@ def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, i
     same forwards, rank 0's greedy tokens broadcast, and every rank gets the results. `autocast_dtype`: the
     forward's mixed precision, as in training.
     """
-    try:
-        from lm_eval import simple_evaluate
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise UserError("lm-eval tasks need lm-evaluation-harness: pip install 'clustertrain[eval]'") from None
     from clustertrain.data.sft import adds_bos
 
-    names, folders = resolve_tasks(specs, tokenizer, workdir)
-    folders += [str(Path(p).resolve()) for p in include]
-    own = TaskManager(include_path=folders, include_defaults=False) if folders else None
-    defaults = any(own is None or name not in own.all_tasks for name in names)
-    manager = TaskManager(include_path=folders or None) if defaults else own
-    if unknown := [n for n in names if n not in manager.all_tasks]:
-        raise UserError(f"--tasks: unknown task(s) {', '.join(unknown)}; `lm-eval ls tasks` lists lm-eval's own, "
-                        "--include-path adds a folder of task YAMLs, and a .jsonl of prompt/completion records is a "
-                        "task too")
+    names, manager = _tasks(specs, tokenizer, workdir, include)  # lm-eval is installed from here on
+    from lm_eval import simple_evaluate
+
     _quiet()
     lm = _lm(model, tokenizer, batch_size, adds_bos(tokenizer), together, autocast_dtype)
     try:
@@ -103,6 +92,33 @@ def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, i
         raise UserError(f"a task's data is not in the local cache ({type(e).__name__}: {str(e)[:200]}); fetch it "
                         "on a login node (`clustertrain download --dataset NAME`) or point its task at a staged "
                         "folder") from None
+
+
+def check_tasks(specs: list[str], tokenizer, include: list[str] = ()) -> None:
+    """Refuse, before a run trains, tasks that its evaluations could not run (a missing file, an unknown name)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="clustertrain-tasks-") as workdir:
+        _tasks(specs, tokenizer, Path(workdir), include)
+
+
+def _tasks(specs: list[str], tokenizer, workdir: Path, include: list[str]):
+    """The task names of `specs` and an lm-eval TaskManager that knows them (lm-eval's own tasks indexed only
+    when one is asked for: that takes seconds)."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise UserError("lm-eval tasks need lm-evaluation-harness: pip install 'clustertrain[eval]'") from None
+    names, folders = resolve_tasks(specs, tokenizer, workdir)
+    folders += [str(Path(p).resolve()) for p in include]
+    own = TaskManager(include_path=folders, include_defaults=False) if folders else None
+    defaults = any(own is None or name not in own.all_tasks for name in names)
+    manager = TaskManager(include_path=folders or None) if defaults else own
+    if unknown := [n for n in names if n not in manager.all_tasks]:
+        raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; `lm-eval ls tasks` lists lm-eval's own, "
+                        "--include-path adds a folder of task YAMLs, and a .jsonl of prompt/completion records is a "
+                        "task too")
+    return names, manager
 
 
 def _quiet() -> None:

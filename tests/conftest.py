@@ -29,12 +29,13 @@ def no_run_left_running():
 
 
 @pytest.fixture(autouse=True)
-def logging_as_it_was():
-    """A test that runs the CLI in-process (main()) leaves no --log-level, handler or library verbosity behind."""
+def logging_and_environment_as_they_were():
+    """A test that runs the CLI in-process (main()) leaves no --log-level, handler or library verbosity behind, and
+    one that imports a library which sets variables (lm-eval sets HF_XET_HIGH_PERFORMANCE) leaves the environment
+    as it was: the fork server forks a command only for the environment it imported with."""
     import logging
 
-    names = ("CLUSTERTRAIN_LOG_LEVEL", "TRANSFORMERS_VERBOSITY", "DATASETS_VERBOSITY")
-    env = {name: os.environ.get(name) for name in names}
+    env = dict(os.environ)
     loggers = {name: logging.getLogger(name) for name in ("clustertrain", "py.warnings")}
     state = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in loggers.items()}
     yield
@@ -42,8 +43,6 @@ def logging_as_it_was():
         loggers[name].handlers[:], loggers[name].propagate = handlers, propagate
         loggers[name].setLevel(level)
     logging.captureWarnings(False)
-    for name, value in env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)

@@ -15,7 +15,7 @@ stripping whitespace. Tasks (--kind): reverse (a b c = -> c b a), upper (a b = -
     torchrun --nproc_per_node 8 -m clustertrain eval runs/default --tasks arc_easy   # or srun, mpirun
 
 A task is a name (lm-eval's own, or one in an --include-path folder), a task .yaml, or a prompt/completion
-.jsonl (scored as --data does). See docs/evaluation.md.
+.jsonl (scored as --data does). See docs/generate-eval.md.
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.tasks:
         return run_tasks(args)
+    if args.nproc is not None or args.output or args.include_path:
+        raise UserError("--nproc, --output and --include-path go with --tasks; --data scores on one process")
     from clustertrain.cli.generate_cmd import load_model, quiet_transformers
     from clustertrain.data.synthetic import read_task
     from clustertrain.inference import exact_match, resolve_source

@@ -36,6 +36,7 @@ from clustertrain.distributed.rank0 import rank0_first
 from clustertrain.distributed.faults import delay
 from clustertrain.distributed.stop import Preempted, StopRequests
 from clustertrain.distributed.watchdog import Watchdog
+from clustertrain.harness import check_tasks
 from clustertrain.model.build import block_classes, build_model
 from clustertrain.model.estimate import check_training_memory, count_params, model_flops_per_token, peak_flops
 from clustertrain.model.loss import TokenLoss
@@ -110,6 +111,9 @@ class Trainer:
         self.mesh = build_mesh(layout, self.device.type)
         self.watchdog.phase("data preparation")  # no limit: rank 0 reports on its own progress (rank0_first)
         self.tokenizer = rank0_first("preparing the tokenizer", lambda: load_tokenizer(cfg.data))
+        if cfg.train.eval_tasks and self.tokenizer is not None:  # a task that cannot run fails now, not at step N
+            rank0_first("checking train.eval_tasks",
+                        lambda: self.rank0 and check_tasks(cfg.train.eval_tasks, self.tokenizer))
         self.plan = rank0_first("indexing the data sources", lambda: DataPlan(
             cfg.data, self.tokenizer, cfg.train.global_batch_size, cfg.data_seed, cache_root(cfg.data)
         ))  # rank 0 first: it writes the source indexes the others then read

@@ -114,6 +114,12 @@ def test_eval_tasks_score_the_training_model_on_every_layout(trained, exported, 
     assert [(r["step"], r["eval_jsonl_test_exact_match"]) for r in logged] == [(1, score)]
 
 
+def test_a_run_with_an_unknown_eval_task_is_refused_before_it_trains(tmp_path):
+    result = train(tmp_path, "train.eval_tasks=[no_such_task_anywhere]", nproc=2, expect=2)
+    assert result.stderr.startswith("error: unknown lm-eval task(s) no_such_task_anywhere; ")
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "checkpoints").exists()
+
+
 @pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
 def test_eval_prints_accuracy_and_examples(trained):
     run, task = trained
