@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import threading
 
 import pytest
 
@@ -41,3 +42,25 @@ def test_a_failed_write_keeps_the_old_file_and_removes_its_temporary(tmp_path, m
         write_atomic(path, "new")
     assert path.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_threads_writing_one_file_never_fail(tmp_path):
+    """A rank's watchdog thread and main thread both write its heartbeat: neither may rename the other's temporary."""
+    path = tmp_path / "rank-00001.json"
+    errors = []
+
+    def write(label):
+        try:
+            for i in range(300):
+                write_atomic(path, f"{label} {i}")
+        except OSError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(label,)) for label in ("main", "watchdog", "third")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert path.read_text().split()[1] == "299"
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-00001.json"]
