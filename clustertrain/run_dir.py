@@ -91,6 +91,10 @@ class RunDir:
     def hang_report(self) -> Path:  # distributed/watchdog.py: the stuck rank and phase, and the stack files
         return self.hang / "report.json"
 
+    @property
+    def hang_began(self) -> Path:  # distributed/watchdog.py: which rank declared this launch's hang, and when
+        return self.hang / "began.json"
+
     def hang_stacks(self, rank: int) -> Path:
         """Rank `rank`'s Python stacks (every thread) at a hang; flight-rank-N.pkl beside it on NCCL."""
         return self.hang / f"rank-{rank:05d}.txt"

@@ -8,11 +8,13 @@ Each rank runs a thread that
 - about every second compares the main thread's time in its phase with the phase's timeout (`timeout`).
 
 On a hang each live rank writes every thread's Python stacks (and on NCCL the flight recorder's record) into
-`hang/`, marks its heartbeat "hung" and waits until every other rank has done the same or has stopped beating.
-Then the lowest rank still beating names the stuck rank (`diagnose`) in one line, in `hang/report.json` and, by
-the trainer's `on_hang`, in status.json, and every rank exits with HANG_EXIT_CODE, which the Slurm path requeues.
-A rank whose collective breaks because a peer ended for a hang joins the report (`join_hang`), and a rank that
-died without a word (SIGKILL, the OOM killer) is named by its missing heartbeat (`vanished`).
+`hang/` and marks its heartbeat "hung"; the first also writes `hang/began.json`. The lowest rank still beating
+waits until every other rank has done the same or has stopped beating, then names the stuck rank (`diagnose`)
+in one line, in `hang/report.json` and, by the trainer's `on_hang`, in status.json; the others wait for that
+report (reading only the heartbeats below them, up to the first live one: a few files each, not world² reads at
+scale). Every rank exits with HANG_EXIT_CODE, which the Slurm path requeues. A rank whose collective breaks
+because a peer ended for a hang joins it (`join_hang`, from `hang/began.json`), and a rank that died without a
+word (SIGKILL, the OOM killer) is named by its missing heartbeat (`vanished`).
 """
 
 from __future__ import annotations
@@ -162,12 +164,12 @@ class Watchdog:
         if self.hung:
             while True:  # the watchdog thread ends the process
                 time.sleep(1)
-        if any(b.get("state") == "hung" and b.get("time", 0) >= self._launched
-               for b in read_beats(self.run, self.world_size).values()):
+        if _read(self.run.hang_began).get("time", 0) >= self._launched:  # one file, not every rank's heartbeat
             self._end_hung(f"a peer ended for a hang while this rank was in {self._phase_name()}")
 
     def _end_hung(self, why: str) -> None:
-        """Write this rank's stacks, wait for the others', report (the lowest live rank) and exit HANG_EXIT_CODE."""
+        """Write this rank's stacks, report (the lowest rank still beating) or wait for the report, and exit
+        HANG_EXIT_CODE."""
         self.hung = True
         self._hang_began = time.time()
         self.run.hang.mkdir(parents=True, exist_ok=True)
@@ -178,26 +180,53 @@ class Watchdog:
                 _dump_flight_recorder(self.run.hang / f"flight-rank-{self.rank:05d}.pkl")
         with contextlib.suppress(OSError):
             self._beat("hung")
-        beats, stale = self._wait_for_peers()
-        report = diagnose(beats, stale, self.world_size, self.rank, why)
-        if self.rank == min(set(range(self.world_size)) - set(stale) - {r for r, b in beats.items()
-                                                                         if b.get("state") == "ended"}):
-            since = self._hang_began - (STALE_BEATS + 2) * self.config.heartbeat_s  # this hang's, not an earlier one's
-            report["stacks"] = sorted(p.name for p in self.run.hang.glob("rank-*.txt") if p.stat().st_mtime >= since)
-            with contextlib.suppress(Exception):  # the report must not stop the exit
-                write_atomic(self.run.hang_report, json.dumps(report, indent=1) + "\n")
-                self.on_hang(report)
-            print(f"error: {report['line']}", file=sys.stderr, flush=True)
+            if _read(self.run.hang_began).get("time", 0) < self._launched:
+                write_atomic(self.run.hang_began, json.dumps({"rank": self.rank, "time": self._hang_began}) + "\n")
+        watch = _Staleness(STALE_BEATS * self.config.heartbeat_s)
+        if self._hung_below(watch) is None:
+            self._report(why, watch)
+        else:
+            self._wait_for_report()
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(HANG_EXIT_CODE)
 
-    def _wait_for_peers(self) -> tuple[dict[int, dict[str, Any]], list[int]]:
+    def _hung_below(self, watch: _Staleness) -> int | None:
+        """A lower rank that is hung too, which reports (or defers to a rank below it); None when every lower rank
+        has ended or stopped beating, or the wait ends: this rank reports. Heartbeats are read from rank 0 up to
+        the first live one only, so that on a hang each rank reads a few files, not every rank's."""
+        deadline = time.monotonic() + (STALE_BEATS + 1) * self.config.heartbeat_s
+        while time.monotonic() < deadline:
+            for rank in range(self.rank):
+                beat = _read(self.run.heartbeat(rank))
+                if beat.get("time", 0) < self._launched:
+                    beat = {}  # an earlier launch's
+                if beat.get("state") == "hung":
+                    return rank
+                if beat.get("state") != "ended" and not watch.stale(rank, beat):
+                    break  # still running: it will be hung, or go stale, soon
+            else:
+                return None
+            time.sleep(min(0.5, self.config.heartbeat_s / 4))
+        return None
+
+    def _report(self, why: str, watch: _Staleness) -> None:
+        """As the reporting rank: wait for the peers, name the stuck rank in hang/report.json, status.json (by
+        `on_hang`) and one line on stderr."""
+        beats, stale = self._wait_for_peers(watch)
+        report = diagnose(beats, stale, self.world_size, self.rank, why)
+        since = self._hang_began - (STALE_BEATS + 2) * self.config.heartbeat_s  # this hang's, not an earlier one's
+        report["stacks"] = sorted(p.name for p in self.run.hang.glob("rank-*.txt") if p.stat().st_mtime >= since)
+        with contextlib.suppress(Exception):  # the report must not stop the exit
+            write_atomic(self.run.hang_report, json.dumps(report, indent=1) + "\n")
+            self.on_hang(report)
+        print(f"error: {report['line']}", file=sys.stderr, flush=True)
+
+    def _wait_for_peers(self, watch: _Staleness) -> tuple[dict[int, dict[str, Any]], list[int]]:
         """Read the heartbeats until every other rank is hung, ended or stale; returns them and the stale ranks."""
         period = self.config.heartbeat_s
         deadline = time.monotonic() + (STALE_BEATS + 1) * period
-        watch = _Staleness(STALE_BEATS * period)
         while True:
             beats = read_beats(self.run, self.world_size)
             stale = watch.update(beats, self.rank)
@@ -206,6 +235,13 @@ class Watchdog:
             if not pending or time.monotonic() > deadline:
                 return beats, stale
             time.sleep(min(0.5, period / 4))
+
+    def _wait_for_report(self) -> None:
+        """Stay until the reporting rank has written this hang's report (a launcher ends every rank once one
+        exits), at most as long as its own waits may take."""
+        deadline = time.monotonic() + (2 * (STALE_BEATS + 1) + 1) * self.config.heartbeat_s
+        while time.monotonic() < deadline and _read(self.run.hang_report).get("time", 0) < self._launched:
+            time.sleep(min(0.5, self.config.heartbeat_s / 4))
 
     def vanished(self) -> str | None:
         """Rank 0, when a connection broke and no rank said why: the ranks that died without a word, named by their
@@ -240,18 +276,19 @@ class _Staleness:
         self.after_s = after_s
         self.seen: dict[int, tuple[Any, float]] = {}
 
-    def update(self, beats: dict[int, dict[str, Any]], me: int) -> list[int]:
+    def stale(self, rank: int, beat: dict[str, Any]) -> bool:
+        """Whether `beat`, rank `rank`'s heartbeat as read now ({} when unreadable), has not changed for after_s."""
         now = time.monotonic()
-        stale = []
-        for rank in {*beats, *self.seen} - {me}:
-            beat_time = beats.get(rank, {}).get("time")
-            last, since = self.seen.get(rank, (beat_time, now))
-            if beat_time != last:
-                since = now
-            self.seen[rank] = (beat_time, since)
-            if now - since >= self.after_s and beats.get(rank, {}).get("state") != "ended":
-                stale.append(rank)
-        return sorted(stale)
+        beat_time = beat.get("time")
+        last, since = self.seen.get(rank, (beat_time, now))
+        if beat_time != last:
+            since = now
+        self.seen[rank] = (beat_time, since)
+        return now - since >= self.after_s and beat.get("state") != "ended"
+
+    def update(self, beats: dict[int, dict[str, Any]], me: int) -> list[int]:
+        """The stale ranks among `beats` (every rank's, as read now) and those seen before."""
+        return sorted(r for r in {*beats, *self.seen} - {me} if self.stale(r, beats.get(r, {})))
 
 
 def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int, me: int, why: str
@@ -288,13 +325,16 @@ def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int
 
 def read_beats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
     """Every rank's last heartbeat that can be read, by rank."""
-    beats = {}
-    for rank in range(world_size):
-        with contextlib.suppress(OSError, ValueError):
-            beat = json.loads(run.heartbeat(rank).read_text())
-            if isinstance(beat, dict):
-                beats[rank] = beat
-    return beats
+    return {rank: beat for rank in range(world_size) if (beat := _read(run.heartbeat(rank)))}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`; {} if it is missing, half-read or not an object."""
+    with contextlib.suppress(OSError, ValueError):
+        value = json.loads(path.read_text())
+        if isinstance(value, dict):
+            return value
+    return {}
 
 
 def _outward(frame: FrameType | None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import pytest
@@ -77,3 +79,73 @@ def test_heartbeats_start_only_with_the_run_and_end_marked(tmp_path):
     finally:
         dog.close()
     assert wd.read_beats(RunDir(tmp_path), 2)[1]["state"] == "ended"
+
+
+def write_beat(run: RunDir, rank: int, **fields) -> None:
+    run.heartbeat(rank).parent.mkdir(parents=True, exist_ok=True)
+    run.heartbeat(rank).write_text(json.dumps(beat(rank, **fields)))
+
+
+def test_on_a_hang_a_rank_reads_the_heartbeats_below_it_only_up_to_a_hung_one(tmp_path, monkeypatch):
+    """At scale every rank must not read every heartbeat: rank 63 waits for rank 0 to go stale (stopped), finds
+    rank 1 hung (it will report, or defer lower) and reads nothing above it."""
+    run, world = RunDir(tmp_path), 64
+    dog = wd.Watchdog(WatchdogConfig(enabled=False, heartbeat_s=0.05), run, 63, world, on_hang=lambda r: None)
+    write_beat(run, 0, state="running")
+    write_beat(run, 1, state="hung")
+    for rank in range(2, world):
+        write_beat(run, rank, state="running")
+    read = []
+    monkeypatch.setattr(wd, "_read", lambda path, real=wd._read: read.append(path.name) or real(path))
+    watch = wd._Staleness(wd.STALE_BEATS * 0.05)
+    assert dog._hung_below(watch) == 1
+    assert set(read) == {"rank-00000.json", "rank-00001.json"} and read.count("rank-00001.json") == 1, read
+    assert watch.update(wd.read_beats(run, world), me=63) == [0]  # the reporter's wait knows rank 0 stopped
+
+
+@pytest.mark.parametrize("below, reporter", [({}, None), ({0: "ended", 1: "ended"}, None), ({0: "ended", 1: "hung"}, 1)])
+def test_the_lowest_rank_still_beating_reports(tmp_path, below, reporter):
+    run = RunDir(tmp_path)
+    dog = wd.Watchdog(WatchdogConfig(enabled=False, heartbeat_s=0.05), run, len(below), 3, on_hang=lambda r: None)
+    for rank, state in below.items():
+        write_beat(run, rank, state=state)
+    assert dog._hung_below(wd._Staleness(wd.STALE_BEATS * 0.05)) == reporter
+
+
+def test_a_broken_collective_joins_this_launch_s_hang_only(tmp_path, monkeypatch):
+    run = RunDir(tmp_path)
+    dog = watchdog(tmp_path)
+    dog.beating = True
+    joined = []
+    monkeypatch.setattr(dog, "_end_hung", joined.append)
+    run.hang.mkdir()
+    run.hang_began.write_text(json.dumps({"rank": 1, "time": time.time() - 3600}))  # an earlier launch's hang
+    dog.join_hang()
+    assert joined == []
+    run.hang_began.write_text(json.dumps({"rank": 1, "time": time.time()}))
+    dog.join_hang()
+    assert joined and "a peer ended for a hang" in joined[0]
+
+
+def test_while_rank_0_still_runs_a_hung_rank_reads_its_heartbeat_alone(tmp_path, monkeypatch):
+    run, world = RunDir(tmp_path), 64
+    dog = wd.Watchdog(WatchdogConfig(enabled=False, heartbeat_s=0.05), run, 63, world, on_hang=lambda r: None)
+    for rank in range(1, world):
+        write_beat(run, rank, state="running")
+    done = threading.Event()
+
+    def rank_0_beats():
+        while not done.is_set():
+            write_beat(run, 0, state="running")
+            time.sleep(0.01)
+
+    beater = threading.Thread(target=rank_0_beats)
+    beater.start()
+    read = []
+    monkeypatch.setattr(wd, "_read", lambda path, real=wd._read: read.append(path.name) or real(path))
+    try:
+        assert dog._hung_below(wd._Staleness(wd.STALE_BEATS * 0.05)) is None  # the wait ended: rank 63 reports
+    finally:
+        done.set()
+        beater.join()
+    assert set(read) == {"rank-00000.json"}, sorted(set(read))
