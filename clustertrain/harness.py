@@ -11,6 +11,7 @@ dataset must be in the local HF datasets cache (`clustertrain download --dataset
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -106,19 +107,29 @@ def _tasks(specs: list[str], tokenizer, workdir: Path, include: list[str]):
     """The task names of `specs` and an lm-eval TaskManager that knows them (lm-eval's own tasks indexed only
     when one is asked for: that takes seconds)."""
     try:
-        from lm_eval.tasks import TaskManager
+        import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise UserError("lm-eval tasks need lm-evaluation-harness: pip install 'clustertrain[eval]'") from None
     names, folders = resolve_tasks(specs, tokenizer, workdir)
-    folders += [str(Path(p).resolve()) for p in include]
-    own = TaskManager(include_path=folders, include_defaults=False) if folders else None
+    folders = tuple(folders + [str(Path(p).resolve()) for p in include])
+    own = _task_manager(folders, tuple(names), defaults=False) if folders else None
     defaults = any(own is None or name not in own.all_tasks for name in names)
-    manager = TaskManager(include_path=folders or None) if defaults else own
+    manager = _task_manager(folders, tuple(names), defaults=True) if defaults else own
     if unknown := [n for n in names if n not in manager.all_tasks]:
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; `lm-eval ls tasks` lists lm-eval's own, "
                         "--include-path adds a folder of task YAMLs, and a .jsonl of prompt/completion records is a "
                         "task too")
     return names, manager
+
+
+@functools.cache
+def _task_manager(folders: tuple[str, ...], names: tuple[str, ...], defaults: bool):
+    """lm-eval's index of the task YAMLs in `folders` (and of its own, which reads thousands of files: on a shared
+    filesystem, once per process, not once per evaluation on every rank). `names` are part of the key, so a
+    task added to a folder later is indexed anew."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=list(folders) or None, include_defaults=defaults)
 
 
 def _quiet() -> None:

@@ -9,8 +9,10 @@ import yaml
 from helpers import write_tiny_repo
 from transformers import AutoTokenizer
 
+from clustertrain import harness
 from clustertrain.errors import UserError
 from clustertrain.harness import check_tasks, resolve_tasks
+from clustertrain.train import evaluate
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +45,24 @@ def test_a_task_that_cannot_run_is_one_line(tokenizer, tmp_path, monkeypatch, sp
     with pytest.raises(UserError) as error:
         check_tasks([spec], tokenizer)
     assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_each_evaluation_of_a_run_reuses_lm_eval_s_index_of_its_tasks(tokenizer, tmp_path, monkeypatch):
+    """lm-eval's index reads every task YAML it knows (thousands for its own tasks): a training run's evaluations,
+    on every rank, build it once per process, and anew only when the tasks change."""
+    import lm_eval.tasks
+
+    built = []
+    real = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kwargs: built.append(kwargs) or real(**kwargs))
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    for path in (first, second):
+        path.write_text(json.dumps({"prompt": "the", "completion": " fox"}) + "\n")
+    workdir = evaluate._task_folder()
+    assert workdir == evaluate._task_folder() and workdir.is_dir()  # the same folder at every evaluation
+    for _ in range(3):
+        names, manager = harness._tasks([str(first)], tokenizer, workdir, [])
+        assert names == ["jsonl_first"] and "jsonl_first" in manager.all_tasks
+    assert len(built) == 1, built
+    names, manager = harness._tasks([str(first), str(second)], tokenizer, workdir, [])
+    assert len(built) == 2 and {"jsonl_first", "jsonl_second"} <= set(manager.all_tasks)
