@@ -19,9 +19,9 @@ HEARTBEAT_S seconds. A lock is stale, and taken over with a one-line note, when
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -33,6 +33,8 @@ import torch.distributed as dist
 from clustertrain.distributed.collectives import all_gather_objects
 from clustertrain.errors import UserError
 from clustertrain.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = RunDir(Path()).lock.name  # the file's name alone, as a run directory's listing shows it
 HEARTBEAT_S = 30.0
@@ -148,9 +150,8 @@ class RunLock:
             try:
                 if not self.owned():
                     holder = read_holder(self.path)
-                    print(f"warning: the lock of {self.path.parent} was taken over by "
-                          f"{holder.describe() if holder else 'another run'}: two runs now write there",
-                          file=sys.stderr, flush=True)
+                    log.warning("the lock of %s was taken over by %s: two runs now write there", self.path.parent,
+                                holder.describe() if holder else "another run")
                     return
                 os.utime(self.path)
             except OSError:

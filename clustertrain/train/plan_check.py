@@ -11,6 +11,7 @@ and prints one line comparing them.
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from types import SimpleNamespace
 from typing import Any
@@ -20,6 +21,8 @@ import torch
 from clustertrain.config.schema import RunConfig
 from clustertrain.plan.fake import local_bytes, optimizer_state_bytes, state_bytes
 from clustertrain.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 
 def plan_run(config: RunConfig, world: int, per_node: int, device_type: str) -> dict | None:
@@ -37,8 +40,7 @@ def plan_run(config: RunConfig, world: int, per_node: int, device_type: str) -> 
         layout = resolve_layout(target.config, world, per_node)
         return make_plan(apply_layout(target.config, layout), layout, per_node, target.device).to_json()
     except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run trains
-        print(f"warning: the run could not be planned ({' '.join(str(e).split())[:200]}); it trains all the same",
-              flush=True)
+        log.warning("the run could not be planned (%s); it trains all the same", " ".join(str(e).split())[:200])
         return None
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -24,6 +25,8 @@ from clustertrain.config.schema import MetricsConfig
 from clustertrain.config.tracker_schema import MlflowConfig, WandbConfig
 from clustertrain.errors import ConfigError
 from clustertrain.run_dir import RunDir
+
+log = logging.getLogger(__name__)
 
 # The TensorBoard/tracker name of a metrics.jsonl key where it is not train/<key> (see `tag`).
 _TAGS = {
@@ -75,8 +78,8 @@ class Tracker:
             method(*args)
         except Exception as e:  # noqa: BLE001 - a tracker is a copy of metrics.jsonl: never worth a run
             self.done = True
-            print(f"warning: {self.kind} failed ({' '.join(str(e).split())[:200]}); the run goes on without it, "
-                  "metrics.jsonl has every number", flush=True)
+            log.warning("%s failed (%s); the run goes on without it, metrics.jsonl has every number", self.kind,
+                        " ".join(str(e).split())[:200])
 
     def _log(self, step: int, values: dict[str, float], time_s: float) -> None:
         raise NotImplementedError
@@ -184,8 +187,8 @@ def open_trackers(metrics: MetricsConfig, files: RunDir, name: str, config_yaml:
         try:
             tracker = run_class(section, files, name, config, ids.get(run_class.key))
         except Exception as e:  # noqa: BLE001 - as a failed log: the run trains without it
-            print(f"warning: {run_class.kind} could not start ({' '.join(str(e).split())[:200]}); the run goes on "
-                  "without it", flush=True)
+            log.warning("%s could not start (%s); the run goes on without it", run_class.kind,
+                        " ".join(str(e).split())[:200])
             continue
         ids[run_class.key] = tracker.id
         opened.append(tracker)

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import losses, start, train, wait_for_step
 
+from clustertrain.cli.logs import setup_logging
 from clustertrain.train.lock import LOCK_FILE, STALE_AFTER_S, Holder, RunDirLocked, RunLock, lock_run_dir, read_holder
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
 from clustertrain.train.status import read_status
@@ -68,6 +69,7 @@ def test_a_held_lock_refuses_a_second_holder_by_name_and_release_frees_it(tmp_pa
 
 
 def test_the_heartbeat_refreshes_the_lock_and_warns_once_it_was_taken_over(tmp_path, monkeypatch, capsys):
+    setup_logging("info")
     monkeypatch.setattr("clustertrain.train.lock.HEARTBEAT_S", 0.05)
     lock = RunLock.acquire(tmp_path)
     try:

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from clustertrain.cli import main
+from clustertrain.cli.logs import setup_logging
 from clustertrain.config.schema import MetricsConfig
 from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
@@ -46,9 +47,10 @@ def test_the_exit_code_of_a_real_process_is_2_without_a_traceback(tmp_path):
 
 
 def test_a_tracker_that_cannot_start_is_left_out_and_the_run_goes_on(tmp_path, capsys):
+    setup_logging("info")
     metrics = MetricsConfig(mlflow={"enabled": True, "tracking_uri": "nosuchscheme://nowhere"})
     assert open_trackers(metrics, RunDir(tmp_path), "run", "optim:\n  lr: 0.001\n", None) == ()
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert out.startswith("warning: MLflow could not start (") and out.endswith("the run goes on without it\n")
     assert not RunDir(tmp_path).trackers.exists()  # no id to continue
 
@@ -67,12 +69,14 @@ class ServerGone(Tracker):
         raise AssertionError("a failed tracker is not called again")
 
 
-def test_a_tracker_that_fails_says_so_once_and_the_run_logs_on(tmp_path, capsys):
+@pytest.mark.parametrize("level", ["info", "error"])
+def test_a_tracker_that_fails_says_so_once_and_the_run_logs_on(tmp_path, capsys, level):
+    setup_logging(level)
     gone = ServerGone()
     with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="none", trackers=(gone,)) as log:
         for step in (1, 2, 3):
             log.log(step, {"loss": 1.0 / step})
     assert gone.calls == 1
-    assert capsys.readouterr().out == ("warning: Gone failed (server gone); the run goes on without it, metrics.jsonl "
-                                       "has every number\n")
+    said = "warning: Gone failed (server gone); the run goes on without it, metrics.jsonl has every number\n"
+    assert capsys.readouterr().err == (said if level == "info" else "")  # --log-level error: errors only
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
