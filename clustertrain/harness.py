@@ -2,7 +2,7 @@
 own, and prompt/completion JSONL files (the `clustertrain eval --data` kind, scored the same way), with the
 documents shared across the ranks of the launch.
 
-    results = run_tasks(model, tokenizer, ["arc_easy", "data/reverse/test.jsonl"], limit=100, workdir=tmp)
+    results = run_tasks(model, tokenizer, ["arc_easy", "data/reverse/test.jsonl"], limit=100)
     print(table(results))                                    # rank 0; other ranks get None
 
 Needs the `eval` extra (`pip install 'clustertrain[eval]'`, lm-eval 0.4). Compute nodes run offline: a task's
@@ -11,8 +11,11 @@ dataset must be in the local HF datasets cache (`clustertrain download --dataset
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +71,7 @@ def resolve_tasks(specs: list[str], tokenizer, workdir: Path) -> tuple[list[str]
 
 
 def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, include: list[str] = (),
-              batch_size: int = 16, workdir: Path, seed: int = 0, together: bool = False,
+              batch_size: int = 16, seed: int = 0, together: bool = False,
               autocast_dtype=None) -> dict[str, Any] | None:
     """Evaluate `model` on the tasks `specs` (see resolve_tasks) with lm-eval; the results on rank 0, None on the
     others.
@@ -80,7 +83,7 @@ def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, i
     """
     from clustertrain.data.sft import adds_bos
 
-    names, manager = _tasks(specs, tokenizer, workdir, include)  # lm-eval is installed from here on
+    names, manager = _tasks(specs, tokenizer, include)  # lm-eval is installed from here on
     from lm_eval import simple_evaluate
 
     _quiet()
@@ -96,21 +99,19 @@ def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, i
 
 
 def check_tasks(specs: list[str], tokenizer, include: list[str] = ()) -> None:
-    """Refuse, before a run trains, tasks that its evaluations could not run (a missing file, an unknown name)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="clustertrain-tasks-") as workdir:
-        _tasks(specs, tokenizer, Path(workdir), include)
+    """Refuse, before a run trains, tasks that its evaluations could not run (a missing file, an unknown name);
+    the index it builds serves this process's evaluations."""
+    _tasks(specs, tokenizer, include)
 
 
-def _tasks(specs: list[str], tokenizer, workdir: Path, include: list[str]):
+def _tasks(specs: list[str], tokenizer, include: list[str]):
     """The task names of `specs` and an lm-eval TaskManager that knows them (lm-eval's own tasks indexed only
-    when one is asked for: that takes seconds)."""
+    when one is asked for: that takes seconds). JSONL tasks' YAMLs go to this process's one folder."""
     try:
         import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise UserError("lm-eval tasks need lm-evaluation-harness: pip install 'clustertrain[eval]'") from None
-    names, folders = resolve_tasks(specs, tokenizer, workdir)
+    names, folders = resolve_tasks(specs, tokenizer, _task_folder())
     folders = tuple(folders + [str(Path(p).resolve()) for p in include])
     own = _task_manager(folders, tuple(names), defaults=False) if folders else None
     defaults = any(own is None or name not in own.all_tasks for name in names)
@@ -130,6 +131,14 @@ def _task_manager(folders: tuple[str, ...], names: tuple[str, ...], defaults: bo
     from lm_eval.tasks import TaskManager
 
     return TaskManager(include_path=list(folders) or None, include_defaults=defaults)
+
+
+@functools.cache
+def _task_folder() -> Path:
+    """This process's folder of JSONL task YAMLs: the same at every evaluation, so lm-eval indexes it once."""
+    folder = Path(tempfile.mkdtemp(prefix="clustertrain-tasks-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def _quiet() -> None:

@@ -99,7 +99,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_tasks(args: argparse.Namespace) -> int:
     """lm-eval's tasks on SOURCE, each rank of the launch (or of --nproc) scoring its share of the documents."""
-    import tempfile
     from pathlib import Path
 
     from clustertrain.errors import UserError
@@ -131,9 +130,8 @@ def run_tasks(args: argparse.Namespace) -> int:
     quiet_transformers()
     try:
         model, tokenizer = load_model(args, source)
-        with tempfile.TemporaryDirectory(prefix="clustertrain-tasks-") as workdir:
-            results = evaluate_tasks(model, tokenizer, specs, limit=args.limit, include=args.include_path,
-                                     batch_size=args.batch_size, workdir=Path(workdir))
+        results = evaluate_tasks(model, tokenizer, specs, limit=args.limit, include=args.include_path,
+                                 batch_size=args.batch_size)
     finally:
         close_distributed()
     if results is None:  # not rank 0

@@ -3,12 +3,6 @@ lm-eval's scores of `train.eval_tasks` on the training model."""
 
 from __future__ import annotations
 
-import atexit
-import functools
-import shutil
-import tempfile
-from pathlib import Path
-
 import torch
 
 from clustertrain.data.loader import StreamLoader
@@ -50,16 +44,8 @@ def task_scores(runner: Runner, together: bool, tokenizer, tasks: list[str], lim
     model = runner.model if together else unwrap(runner.model)
     runner.train(False)
     try:
-        results = run_tasks(model, tokenizer, tasks, limit=limit, workdir=_task_folder(), seed=seed,
-                            together=together, autocast_dtype=runner.autocast_dtype)
+        results = run_tasks(model, tokenizer, tasks, limit=limit, seed=seed, together=together,
+                            autocast_dtype=runner.autocast_dtype)
     finally:
         runner.train()
     return {f"eval_{row['task']}_{row['metric']}": row["value"] for row in summary(results)} if results else {}
-
-
-@functools.cache
-def _task_folder() -> Path:
-    """The folder of this process's JSONL task YAMLs: the same at every evaluation, so lm-eval indexes it once."""
-    folder = Path(tempfile.mkdtemp(prefix="clustertrain-tasks-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    return folder

@@ -70,13 +70,13 @@ def lm_eval(source, task, *extra: str) -> float:
 
 
 @pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
-def test_lm_eval_answers_the_jsonl_task_as_eval_does(trained, tmp_path):
+def test_lm_eval_answers_the_jsonl_task_as_eval_does(trained):
     """The same answers, document by document, on a model that gets some right and some wrong."""
     run, task = trained
     model, tokenizer = load_for_inference(run)
     records = read_task(task / "test.jsonl")[:40]
     ours = exact_match(model, tokenizer, records)
-    results = run_tasks(model, tokenizer, [str(task / "test.jsonl")], limit=40, workdir=tmp_path)
+    results = run_tasks(model, tokenizer, [str(task / "test.jsonl")], limit=40)
     assert [a.strip() for a in answers(results, "jsonl_test")] == [e["answer"].strip() for e in ours["examples"]]
     assert 0 < ours["accuracy"] < 1
     assert results["results"]["jsonl_test"]["exact_match,none"] == ours["accuracy"]

@@ -12,7 +12,6 @@ from transformers import AutoTokenizer
 from clustertrain import harness
 from clustertrain.errors import UserError
 from clustertrain.harness import check_tasks, resolve_tasks
-from clustertrain.train import evaluate
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +57,10 @@ def test_each_evaluation_of_a_run_reuses_lm_eval_s_index_of_its_tasks(tokenizer,
     first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     for path in (first, second):
         path.write_text(json.dumps({"prompt": "the", "completion": " fox"}) + "\n")
-    workdir = evaluate._task_folder()
-    assert workdir == evaluate._task_folder() and workdir.is_dir()  # the same folder at every evaluation
     for _ in range(3):
-        names, manager = harness._tasks([str(first)], tokenizer, workdir, [])
+        names, manager = harness._tasks([str(first)], tokenizer, [])
         assert names == ["jsonl_first"] and "jsonl_first" in manager.all_tasks
     assert len(built) == 1, built
-    names, manager = harness._tasks([str(first), str(second)], tokenizer, workdir, [])
+    assert (harness._task_folder() / "jsonl_first.yaml").is_file()  # the same folder at every evaluation
+    names, manager = harness._tasks([str(first), str(second)], tokenizer, [])
     assert len(built) == 2 and {"jsonl_first", "jsonl_second"} <= set(manager.all_tasks)
