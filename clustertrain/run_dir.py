@@ -3,6 +3,7 @@
     run = RunDir(config.run_dir)
     run.status                      # runs/tiny-llama/status.json
     run.write(run.config, text)     # whole or not at all (files.write_atomic)
+    read_json_object(run.status)    # a regular file of at most 1 MiB, never blocking (files.read_regular)
 
 What lies inside a checkpoint folder (`checkpoints/step-N/`: weights, train state, its own config.yaml,
 tokenizer/) is the checkpoint's layout, owned by clustertrain/checkpoint/. README.md's "The run directory"

@@ -10,6 +10,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+
+from clustertrain.errors import UserError
+
+# Each numeric flag of `plan`: its flag, the least and the most it may be (the least excluded for a float), and what
+# it is. argparse's int and float take "-1", "nan" and "inf"; a plan of them prints nonsense (MFU 500%, nan s).
+NUMBERS = {
+    "world": ("--world", 1, None, "ranks"), "nodes": ("--nodes", 1, None, "nodes"),
+    "gpus_per_node": ("--gpus-per-node", 1, None, "ranks per node"),
+    "device_memory": ("--device-memory", 0.0, 1e6, "GB of device memory per rank"),
+    "peak_tflops": ("--peak-tflops", 0.0, 1e6, "TFLOP/s of the device's peak"),
+    "efficiency": ("--efficiency", 0.0, 1.0, "the fraction of the peak FLOP/s the matmuls reach"),
+}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -23,10 +36,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (default: the preset's)")
     parser.add_argument("--preset", metavar="NAME", help="the hardware: a preset with a hardware section "
                         "(frontier, perlmutter, h100, a100, or a file; default: the config's slurm.preset)")
-    parser.add_argument("--device-memory", type=float, metavar="GB", help="device memory per rank, GB")
-    parser.add_argument("--peak-tflops", type=float, metavar="T", help="the device's peak at the compute dtype")
+    parser.add_argument("--device-memory", type=float, metavar="GB", help="device memory per rank, GB (above 0)")
+    parser.add_argument("--peak-tflops", type=float, metavar="T",
+                        help="the device's peak at the compute dtype (above 0)")
     parser.add_argument("--efficiency", type=float, default=0.5, metavar="F",
-                        help="fraction of peak FLOP/s the matmuls reach (default 0.5)")
+                        help="fraction of peak FLOP/s the matmuls reach, above 0 and at most 1 (default 0.5)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. parallel.tp=8")
     parser.add_argument("--search", action="store_true", help="try the layouts that could train this config on this "
                         "world (strategy, tp, pp, micro batch, activation checkpointing) and rank those that fit")
@@ -43,6 +57,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from clustertrain.plan.target import target_for
     from clustertrain.train.resolve import resolve_run
 
+    check_numbers(args)
     config = load_checked_config(args.config, args.set)
     preset = load_preset(args.preset or config.slurm.preset)
     if args.gpus_per_node is None and config.slurm.gpus_per_node is None and preset.gpus_per_node:
@@ -65,6 +80,23 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"plan: {name}")
         print(plan_table(plan))
     return 0 if plan.fits else 1
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag given is a finite number in its range (NUMBERS).
+
+    Raises:
+        UserError: One line naming the first flag that is not, and its range.
+    """
+    for dest, (flag, low, high, what) in NUMBERS.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        if isinstance(low, int):
+            if value < low:
+                raise UserError(f"plan: {flag} is {value}; it must be at least {low} ({what})")
+        elif not (math.isfinite(value) and low < value <= high):
+            raise UserError(f"plan: {flag} is {value}; it must be above {low:g} and at most {high:,.0f} ({what})")
 
 
 def _search(args: argparse.Namespace, target, name: str) -> int:

@@ -5,6 +5,8 @@
 
 The state is status.json's; the ranks are the watchdog's heartbeats (heartbeats/rank-NNNNN.json); a hang's report
 and stacks are in hang/; the Slurm jobs are the chain that `clustertrain slurm status` shows (slurm/jobs.jsonl).
+A damaged file (not a regular file, too large, not JSON, not an object) is named with what is wrong, the rest is
+still shown, and the exit code is 1; text from the files is shown without control characters, cut to a page.
 """
 
 from __future__ import annotations
@@ -19,11 +21,21 @@ from typing import Any
 
 from clustertrain.cli.slurm_cmd import job_table
 from clustertrain.distributed.watchdog import STALE_BEATS
+from clustertrain.files import read_json_object, read_regular
 from clustertrain.run_dir import RunDir
 
 DEFAULT_PERIOD_S = 10.0  # a heartbeat that does not say its period (period_s)
-SHOWN_RANKS = 16  # more ranks than this: the table shows the slowest of them (--json has all)
+SHOWN_RANKS = 16  # more ranks (or stack files) than this: the slowest (the stuck ranks') shown; --json has all
 STACK_LINES = 8  # the innermost lines of the main thread's stack shown per rank
+LINE_CHARS = 300  # a value from a run's file is cut to this many characters on screen
+CELL_CHARS = 40  # a heartbeat's host, state or phase, in the rank table
+ERROR_LINES = 12  # the lines of status.json's error shown
+DAMAGED_SHOWN = 8  # damaged files named, one a line (--json has all)
+STATUS = RunDir(Path()).status.name  # status.json, as `damaged` names it
+CHECKPOINT = re.compile(r"step-(\d+)")  # a complete checkpoint's folder (checkpoint/dcp.py, which imports torch)
+# What a terminal would act on: C0 and C1 controls (ESC starts its sequences), DEL, and Unicode's invisible
+# direction and line controls; shown escaped, as Python writes them.
+CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -39,14 +51,14 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     report = run_report(args.run_dir)
-    if args.json:
+    if args.json:  # json.dumps escapes control characters; each file read is at most files.READ_LIMIT bytes
         print(json.dumps(report, indent=1, default=str))
-        return 0
-    # Paths stay whole, for copy and paste; no markup: the files' own text (an error, a stack) is shown as it is.
-    console = Console(highlight=False, soft_wrap=True, markup=False)
-    for item in format_report(report):
-        console.print(item)
-    return 0
+    else:
+        # Paths stay whole, for copy and paste; no markup or emoji codes: the files' own text is shown as it is.
+        console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+        for item in format_report(report):
+            console.print(printable(item) if isinstance(item, str) else item)
+    return 1 if report["damaged"] else 0
 
 
 # ---- gather -------------------------------------------------------------------------------------------------
@@ -54,11 +66,11 @@ def run_report(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     """Everything `status` shows, as plain data (what --json prints).
 
     Raises:
-        DataError: `run_dir` is missing or holds none of a run's files; the job chain is malformed.
+        DataError: `run_dir` is missing or holds none of a run's files; the job chain cannot be read or is malformed.
     """
     from clustertrain.errors import DataError
     from clustertrain.launch.jobs import excluded_nodes, job_rows, read_chain, restarts, start_retries
-    from clustertrain.train.status import read_status
+    from clustertrain.train.status import load_status
 
     run = RunDir(run_dir)
     if not run_dir.is_dir():
@@ -68,33 +80,43 @@ def run_report(run_dir: Path, now: float | None = None) -> dict[str, Any]:
         raise DataError(f"{run_dir} is not a run directory: it has no status.json, heartbeats/, slurm/jobs.jsonl, "
                         "checkpoints/ or config.yaml")
     now = time.time() if now is None else now
+    damaged: dict[str, str] = {}  # each run file that cannot be read (its path in the run) -> what is wrong
+    try:
+        status = load_status(run_dir)
+    except (OSError, ValueError) as e:
+        status, damaged[run.status.name] = None, _why(e)
     ranks, unreadable = read_heartbeats(run, now)
+    damaged.update({f"{run.heartbeats.name}/{name}": why for name, why in unreadable.items()})
+    hang = read_hang(run, damaged)
     chain = read_chain(run_dir)
     return {
         "run_dir": str(run_dir.resolve()),
         "time": now,
-        "status": read_status(run_dir),
+        "status": status,
+        "checkpoints": checkpoint_steps(run),
         "ranks": ranks,
-        "unreadable_heartbeats": unreadable,
+        "unreadable_heartbeats": sorted(unreadable),
+        "damaged": damaged,
         "slowest": slowest_rank(ranks),
-        "hang": read_hang(run),
+        "hang": hang,
         "jobs": {"restarts": restarts(chain), "start_retries": start_retries(chain),
                  "excluded": excluded_nodes(chain), "chain": job_rows(chain)} if chain else None,
     }
 
 
-def read_heartbeats(run: RunDir, now: float) -> tuple[list[dict[str, Any]], list[str]]:
+def read_heartbeats(run: RunDir, now: float) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """Each rank's last heartbeat, by rank, with its age (`age_s`), the time in its phase (`in_phase_s`) and whether
     it is stale (a running rank's beat older than STALE_BEATS periods: a hung or ended rank beats no more); and the
-    names of the heartbeat files that cannot be read."""
-    beats, unreadable = [], []
+    heartbeat files that cannot be read, by name, with what is wrong."""
+    beats, unreadable = [], {}
     for path in sorted(run.heartbeats.glob("rank-*.json")):
         try:
-            beat = json.loads(path.read_text())
-        except (OSError, ValueError, RecursionError):
-            beat = None
-        if not isinstance(beat, dict) or type(beat.get("rank")) is not int:
-            unreadable.append(path.name)
+            beat = read_json_object(path)
+        except (OSError, ValueError) as e:
+            unreadable[path.name] = _why(e)
+            continue
+        if type(beat.get("rank")) is not int:
+            unreadable[path.name] = 'not a heartbeat (no whole-number "rank")'
             continue
         period = _number(beat.get("period_s")) or DEFAULT_PERIOD_S
         beat_time = _number(beat.get("time"))
@@ -113,17 +135,20 @@ def slowest_rank(ranks: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(ranks, key=lambda b: (_step(b), -(b["age_s"] if b["age_s"] is not None else math.inf)))
 
 
-def read_hang(run: RunDir) -> dict[str, Any] | None:
+def read_hang(run: RunDir, damaged: dict[str, str]) -> dict[str, Any] | None:
     """The watchdog's hang report (hang/report.json) and the innermost lines of each rank's main-thread stack; None
-    if there was no hang."""
+    if there was no hang. The files that cannot be read are added to `damaged`."""
+    report = None
     try:
-        report = json.loads(run.hang_report.read_text())
-    except (OSError, ValueError, RecursionError):
-        report = None
-    report = report if isinstance(report, dict) else None
+        report = read_json_object(run.hang_report)
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:
+        damaged[f"{run.hang.name}/{run.hang_report.name}"] = _why(e)
     named = report.get("stacks") if report else None
     if isinstance(named, list):
-        files = [run.hang / Path(n).name for n in named if isinstance(n, str)]  # names inside hang/ only
+        names = dict.fromkeys(Path(n).name for n in named if isinstance(n, str))  # inside hang/ only, each once
+        files = [run.hang / name for name in names if name]
     else:
         files = sorted(run.hang.glob("rank-*.txt"))
     if report is None and not files:
@@ -131,10 +156,19 @@ def read_hang(run: RunDir) -> dict[str, Any] | None:
     stacks = {}
     for path in files:
         try:
-            stacks[path.name] = main_thread(path.read_text(errors="replace"))
-        except OSError:
-            stacks[path.name] = {"why": "unreadable", "thread": None, "lines": [], "more": 0}
+            stacks[path.name] = main_thread(read_regular(path).decode(errors="replace"))
+        except OSError as e:
+            damaged[f"{run.hang.name}/{path.name}"] = _why(e)
+            stacks[path.name] = {"why": f"unreadable: {_why(e)}", "thread": None, "lines": [], "more": 0}
     return {"report": report, "stacks": stacks}
+
+
+def checkpoint_steps(run: RunDir) -> list[int]:
+    """The steps of the run's complete checkpoints (a folder has its final name only once complete), ascending."""
+    try:
+        return sorted(int(m[1]) for p in run.checkpoints.iterdir() if (m := CHECKPOINT.fullmatch(p.name)))
+    except OSError:  # none yet, or not a folder
+        return []
 
 
 def main_thread(text: str, count: int = STACK_LINES) -> dict[str, Any]:
@@ -150,10 +184,13 @@ def main_thread(text: str, count: int = STACK_LINES) -> dict[str, Any]:
 
 # ---- show ---------------------------------------------------------------------------------------------------
 def format_report(report: dict[str, Any]) -> list[Any]:
-    """The report as lines of text, and the job chain as `slurm status`'s table."""
-    out = [f"run       {report['run_dir']}"]
+    """The report as lines of text, and the job chain as `slurm status`'s table: each value from a run's file cut to
+    LINE_CHARS (an error to ERROR_LINES lines), and the table's cells `printable` (`run` does the lines')."""
+    run_dir = report["run_dir"]
+    out = [f"run       {run_dir}"]
     status = report["status"]
-    out.append(f"state     {_state_line(status, report['time']) if status else 'no status.json yet (not started)'}")
+    out.append(f"state     {_state_line(status, report['time']) if status else _no_status(report)}")
+    out += _error_lines(status, f"{run_dir}/{STATUS}") if status else []
     ranks = report["ranks"]
     if ranks:
         out.append(f"ranks     {len(ranks)} heartbeat(s)" + (f", the {SHOWN_RANKS} slowest shown (--json: all)"
@@ -161,40 +198,73 @@ def format_report(report: dict[str, Any]) -> list[Any]:
         shown = sorted(ranks, key=lambda b: (_step(b), b["rank"]))[:SHOWN_RANKS] if len(ranks) > SHOWN_RANKS else ranks
         out += _rank_table(shown)
         slow = report["slowest"]
-        out.append(f"slowest   rank {slow['rank']} on {slow.get('host', '?')}: step {_show(slow.get('step'))}, "
-                   f"phase {slow.get('phase') or '?'}, {_beat_age(slow)}")
+        out.append(f"slowest   rank {_cut(slow['rank'])} on {_cut(slow.get('host', '?'), CELL_CHARS)}: step "
+                   f"{_show(slow.get('step'))}, phase {_cut(slow.get('phase') or '?', CELL_CHARS)}, {_beat_age(slow)}")
     else:
         out.append("ranks     no heartbeats (the watchdog writes them while a run trains)")
-    if report["unreadable_heartbeats"]:
-        out.append(f"          unreadable: {', '.join(report['unreadable_heartbeats'])}")
+    damaged = list(report["damaged"].items())
+    out += [f"{'damaged' if i == 0 else '':<10}{run_dir}/{name}: {_cut(why)}"
+            for i, (name, why) in enumerate(damaged[:DAMAGED_SHOWN])]
+    if len(damaged) > DAMAGED_SHOWN:
+        out.append(f"          ... and {len(damaged) - DAMAGED_SHOWN} more (--json: all)")
     if report["hang"]:
-        out += _hang_lines(report["hang"], RunDir(Path(report["run_dir"])).hang, report["time"])
+        out += _hang_lines(report["hang"], RunDir(Path(run_dir)).hang, report["time"])
     jobs = report["jobs"]
     if jobs:
         out.append(f"jobs      {jobs['restarts']} restart(s), {jobs['start_retries']} failed start(s) in a row"
-                   + (f", excluded {', '.join(jobs['excluded'])}" if jobs["excluded"] else ""))
-        out.append(job_table(jobs["chain"]))
+                   + (f", excluded {_cut(', '.join(jobs['excluded']))}" if jobs["excluded"] else ""))
+        out.append(job_table([{key: printable(_cut(value, CELL_CHARS)) if isinstance(value, str) else value
+                               for key, value in row.items()} for row in jobs["chain"]]))
     return out
 
 
+def printable(text: str) -> str:
+    """`text` with what a terminal would act on (CONTROL) written as Python escapes ("\\x1b[2J"): seen, not obeyed."""
+    return CONTROL.sub(lambda m: ascii(m[0])[1:-1], text)
+
+
 def _state_line(status: dict[str, Any], now: float) -> str:
-    line = f"{status['state']} at step {_show(status.get('step'))}/{_show(status.get('total_steps'))}"
+    line = f"{_cut(status['state'], CELL_CHARS)} at step {_show(status.get('step'))}/{_show(status.get('total_steps'))}"
     if status["state"] == "hung":
         ranks, hosts = status.get("stuck_ranks"), status.get("stuck_hosts")
-        line += f" in {status.get('phase') or '?'}; stuck rank(s) {_show(ranks)}"
+        line += f" in {_cut(status.get('phase') or '?', CELL_CHARS)}; stuck rank(s) {_show(ranks)}"
         line += f" on {_show(hosts)}" if hosts else ""
     elif status.get("reason") or status.get("error"):  # a hang's line is shown with its stacks below
-        line += f": {status.get('reason') or status.get('error')}"
+        said = str(status.get("reason") or status.get("error")).splitlines()
+        line += f": {_cut(said[0] if said else '')}"
     written = _number(status.get("time"))
     return line + (f" ({max(0.0, now - written):.0f} s ago)" if written is not None else "")
+
+
+def _error_lines(status: dict[str, Any], path: str) -> list[str]:
+    """The lines of a status's reason or error after its first (on the state line), at most ERROR_LINES in all."""
+    said = status.get("reason") or status.get("error")
+    if status["state"] == "hung" or not said:
+        return []
+    lines = str(said).splitlines()
+    out = [f"          {_cut(line)}" for line in lines[1:ERROR_LINES]]
+    cut = len(lines) > ERROR_LINES or any(len(line) > LINE_CHARS for line in lines[:ERROR_LINES])
+    return out + ([f"          ... (cut; see {path})"] if cut else [])
+
+
+def _no_status(report: dict[str, Any]) -> str:
+    """The state line of a run whose status.json is missing or damaged: never "not started" once it has trained."""
+    steps = report["checkpoints"]
+    saved = f"checkpoints up to step {steps[-1]} ({len(steps)} in all)" if steps else ""
+    if STATUS in report["damaged"]:
+        return f"unknown: {STATUS} is damaged (below)" + (f"; {saved}" if saved else "")
+    if saved:
+        return f"no {STATUS}; {saved}: the run has trained"
+    return f"no {STATUS}; heartbeats: the run has started" if report["ranks"] else f"no {STATUS} yet (not started)"
 
 
 def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
     rows = [("rank", "host", "state", "step", "phase", "in phase", "last beat", "where")]
     for b in ranks:
-        where = str(b.get("where") or "") + (" (waiting in a collective)" if b.get("waiting") is True else "")
-        rows.append((str(b["rank"]), str(b.get("host", "?")), str(b.get("state", "?")), _show(b.get("step")),
-                     str(b.get("phase") or "?"), _seconds(b["in_phase_s"]), _beat_age(b), where))
+        where = _cut(b.get("where") or "") + (" (waiting in a collective)" if b.get("waiting") is True else "")
+        rows.append((_cut(b["rank"], CELL_CHARS), _cut(b.get("host", "?"), CELL_CHARS),
+                     _cut(b.get("state", "?"), CELL_CHARS), _show(b.get("step"), CELL_CHARS),
+                     _cut(b.get("phase") or "?", CELL_CHARS), _seconds(b["in_phase_s"]), _beat_age(b), where))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
 
@@ -202,17 +272,30 @@ def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
 def _hang_lines(hang: dict[str, Any], hang_dir: Path, now: float) -> list[str]:
     report = hang["report"] or {}
     when = _number(report.get("time"))
-    out = [f"hang      {report.get('line') or 'stacks in hang/ (no report.json)'}"
+    out = [f"hang      {_cut(report.get('line') or 'stacks in hang/ (no readable report.json)')}"
            + (f" ({max(0.0, now - when):.0f} s ago)" if when is not None else "")]
     stuck = report.get("stuck_ranks") if isinstance(report.get("stuck_ranks"), list) else []
-    names = sorted(hang["stacks"], key=lambda n: not any(n == f"rank-{r:05d}.txt" for r in stuck if type(r) is int))
-    for name in names:
+    stuck_files = {f"rank-{r:05d}.txt" for r in stuck if type(r) is int}
+    names = sorted(hang["stacks"], key=lambda n: n not in stuck_files)
+    for name in names[:SHOWN_RANKS]:
         stack = hang["stacks"][name]
-        out.append(f"  {hang_dir}/{name}" + (f": {stack['why']}" if stack["why"] else ""))
-        out += [f"    {stack['thread']}"] if stack["thread"] else []
+        out.append(f"  {hang_dir}/{name}" + (f": {_cut(stack['why'])}" if stack["why"] else ""))
+        out += [f"    {_cut(stack['thread'])}"] if stack["thread"] else []
         out += [f"      ... {stack['more']} more line(s)"] if stack["more"] else []
-        out += [f"    {line}" for line in stack["lines"]]
+        out += [f"    {_cut(line)}" for line in stack["lines"]]
+    if len(names) > SHOWN_RANKS:
+        out.append(f"  ... {len(names) - SHOWN_RANKS} more stack file(s) in {hang_dir} (--json: all)")
     return out
+
+
+def _why(error: Exception) -> str:
+    """What is wrong with a run's file, from files.read_regular's OSError or read_json_object's ValueError."""
+    return (error.strerror or str(error)) if isinstance(error, OSError) else str(error)
+
+
+def _cut(value: Any, limit: int = LINE_CHARS) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _number(value: Any) -> float | None:
@@ -224,10 +307,10 @@ def _step(beat: dict[str, Any]) -> int:
     return beat["step"] if type(beat.get("step")) is int else -1
 
 
-def _show(value: Any) -> str:
+def _show(value: Any, limit: int = LINE_CHARS) -> str:
     if isinstance(value, list):
-        return ", ".join(map(str, value)) or "-"
-    return "?" if value is None else str(value)
+        return _cut(", ".join(map(str, value)) or "-", limit)
+    return "?" if value is None else _cut(value, limit)
 
 
 def _seconds(value: float | None) -> str:

@@ -47,7 +47,15 @@ def draw(plans: list[tuple[str, object]], path: str | Path, title: str) -> Path:
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as e:  # a folder that is read-only, missing rights, a directory named like the file
+        where = f": {e.filename}" if e.filename and str(e.filename) != str(path) else ""  # a folder on the way
+        raise UserError(f"plan --plot: cannot write {path} ({e.strerror or e}{where}); give a path you can write") \
+            from None
+    except ValueError as e:  # matplotlib: "Format 'xyz' is not supported (supported formats: ...)"
+        raise UserError(f"plan --plot: cannot write {path}: {str(e).splitlines()[0]}") from None
+    finally:
+        plt.close(fig)
     return path

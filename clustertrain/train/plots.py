@@ -44,6 +44,9 @@ PANELS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 _DASHED = {"eval_loss": "held-out", "mem_reserved_gb": "reserved"}
 _SCALE = {"mfu": 100.0}  # drawn as a percentage
+# Past this a value is a gap, as NaN and ±inf are: no loss, lr, tokens/s, MFU or GB comes near it, and an axis
+# from -1e308 to 1e308 overflows matplotlib's tick arithmetic.
+LARGEST = 1e100
 
 
 @dataclass
@@ -71,7 +74,8 @@ def run_curves(run_dir: Path, name: str | None = None) -> RunCurves:
             resumes.append(step)
         for key, points in latest.items():
             if record.get(key) is not None:
-                points[step] = float(record[key]) * _SCALE.get(key, 1.0)
+                value = float(record[key]) * _SCALE.get(key, 1.0)
+                points[step] = value if abs(value) <= LARGEST else math.nan  # NaN fails the test too
     curves = {key: sorted(points.items()) for key, points in latest.items()}
     return RunCurves(name or Path(run_dir).resolve().name, curves, resumes)
 
@@ -82,7 +86,7 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
     plt = pyplot()
     names = [Path(d).resolve().name for d in run_dirs]
     runs = [run_curves(d, name if names.count(name) == 1 else str(d)) for d, name in zip(run_dirs, names)]
-    panels = [panel for panel in PANELS if any(run.curves[key] for run in runs for key in panel[2])]
+    panels = [panel for panel in PANELS if any(_drawn(run.curves[key]) for run in runs for key in panel[2])]
     if not panels:
         raise DataError(f"no loss or tokens/s logged yet in {', '.join(str(RunDir(d).metrics) for d in run_dirs)}")
     cols = min(3, len(panels))
@@ -104,6 +108,11 @@ def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
     for ax in axes.flat[len(panels):]:
         ax.remove()
     return _save(fig, plt, out)
+
+
+def _drawn(points: list[tuple[int, float]]) -> bool:
+    """Whether a curve has a point to draw: a panel of gaps only (NaN, ±inf, past LARGEST) is left out."""
+    return any(not math.isnan(value) for _, value in points)
 
 
 def plot_scaling(rows: Sequence[Any], out: Path) -> Path:
@@ -132,8 +141,15 @@ def plot_scaling(rows: Sequence[Any], out: Path) -> Path:
 
 
 def _save(fig: Any, plt: Any, out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+    except OSError as e:  # a read-only folder, a file where a folder should be, a directory named like the file
+        where = f": {e.filename}" if e.filename and str(e.filename) != str(out) else ""  # a folder on the way
+        raise UserError(f"cannot write {out} ({e.strerror or e}{where}); give -o a path you can write") from None
+    except ValueError as e:  # matplotlib: "Format 'xyz' is not supported (supported formats: ...)"
+        raise UserError(f"cannot write {out}: {str(e).splitlines()[0]}") from None
+    finally:
+        plt.close(fig)
     return out

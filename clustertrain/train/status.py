@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clustertrain.files import write_atomic
+from clustertrain.files import read_json_object, write_atomic
 from clustertrain.run_dir import RunDir
 
 if TYPE_CHECKING:  # the Slurm job's own steps read status.json: no torch import for them
@@ -65,10 +65,26 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
 def read_status(run_dir: Path) -> dict[str, Any] | None:
     """The last status written, or None if there is none (or it is unreadable, or not a status)."""
     try:
-        status = json.loads(RunDir(run_dir).status.read_text())
-    except (OSError, ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return load_status(run_dir)
+    except (OSError, ValueError):
         return None
-    return status if isinstance(status, dict) and isinstance(status.get("state"), str) else None
+
+
+def load_status(run_dir: Path) -> dict[str, Any] | None:
+    """The last status written, or None if there is none; read by files.read_regular (a FIFO or a link to a
+    device there never blocks a launcher or `clustertrain status`).
+
+    Raises:
+        OSError: status.json cannot be read; its `strerror` says why (not a regular file, too large, ...).
+        ValueError: It is not a status: not JSON, not an object, or no "state" string.
+    """
+    try:
+        status = read_json_object(RunDir(run_dir).status)
+    except FileNotFoundError:
+        return None
+    if not isinstance(status.get("state"), str):
+        raise ValueError('not a status (no "state" string)')
+    return status
 
 
 def record_failure(run_dir: Path, error: BaseException, first: RankFailure | None, step: int,

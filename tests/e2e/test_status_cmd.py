@@ -5,9 +5,12 @@ exit 2 for a directory that is no run."""
 from __future__ import annotations
 
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
+import unicodedata
 
 import pytest
 from helpers import train
@@ -118,7 +121,7 @@ def test_a_beat_is_stale_after_two_and_a_half_of_its_periods_unless_its_rank_sto
                                           (500, {"state": "hung"})]):
         run.write(run.heartbeat(rank), json.dumps(beat(rank, "node1", 3, age, **fields)))
     ranks, unreadable = read_heartbeats(run, time.time())
-    assert [r["stale"] for r in ranks] == [False, True, False, False, False] and unreadable == []
+    assert [r["stale"] for r in ranks] == [False, True, False, False, False] and unreadable == {}
 
 
 def test_the_slowest_rank_is_the_lowest_step_then_the_oldest_beat():
@@ -144,10 +147,14 @@ def test_unreadable_files_are_named_not_fatal(hung_run, capsys):
     run.heartbeat(1).write_text("{not json")
     run.write(run.heartbeat(2), json.dumps({"rank": "two"}))
     run.hang_report.write_text("[]")
-    assert main(["status", str(hung_run)]) == 0
+    assert main(["status", str(hung_run)]) == 1  # the rest is shown; the exit code says something is damaged
     out = capsys.readouterr().out
-    assert "unreadable: rank-00001.json, rank-00002.json" in out
-    assert "hang      stacks in hang/ (no report.json)" in out and "rank-00000.txt" in out
+    assert f"damaged   {hung_run}/heartbeats/rank-00001.json: not valid JSON (Expecting property name enclosed in " \
+        "double quotes at line 1 column 2)\n" in out
+    assert f"          {hung_run}/heartbeats/rank-00002.json: not a heartbeat (no whole-number \"rank\")\n" in out
+    assert f"          {hung_run}/hang/report.json: not a JSON object (got a list)\n" in out
+    assert "hang      stacks in hang/ (no readable report.json)" in out and "rank-00000.txt" in out
+    assert "state     hung at step 7/100" in out and "  0 " in out  # what could be read is all there
 
 
 def test_a_finished_run(tmp_path, capsys):
@@ -182,3 +189,114 @@ def test_status_imports_no_torch(hung_run):
         result = subprocess.run([sys.executable, "-c", code, str(run_dir)], capture_output=True, text=True)
         assert result.returncode == expect, result.stderr
         assert result.stdout.splitlines()[-1] == "[]"
+
+
+# ---- hostile run files: never blocking, bounded, named when damaged, nothing a terminal would obey -------------------
+def status_cli(run_dir, *args, memory=1 << 30):
+    """`clustertrain status RUN_DIR` in a fresh process of at most `memory` bytes: a read that blocks is a failure
+    after 30 s, not a test that hangs, and one that grows without end fails at once instead of eating the machine."""
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+
+    try:
+        return subprocess.run([sys.executable, "-m", "clustertrain", "status", str(run_dir), *args], timeout=30,
+                              preexec_fn=limit, capture_output=True, text=True)
+    except subprocess.TimeoutExpired:
+        raise AssertionError("status blocked for 30 s on a run's file") from None
+
+
+def test_fifos_and_a_link_to_dev_zero_never_block_or_fill_memory(hung_run):
+    run = RunDir(hung_run)
+    (run.checkpoints / "step-0000004").mkdir(parents=True)
+    for path in (run.status, run.heartbeat(1), run.hang_stacks(1)):
+        path.unlink()
+        os.mkfifo(path)
+    run.heartbeat(0).unlink()
+    run.heartbeat(0).symlink_to("/dev/zero")
+    result = status_cli(hung_run)
+    assert result.returncode == 1 and result.stderr == "", result.stderr
+    out = result.stdout
+    assert "state     unknown: status.json is damaged (below); checkpoints up to step 4 (1 in all)\n" in out
+    assert (f"damaged   {hung_run}/status.json: a FIFO, not a regular file\n"
+            f"          {hung_run}/heartbeats/rank-00000.json: a character device, not a regular file\n"
+            f"          {hung_run}/heartbeats/rank-00001.json: a FIFO, not a regular file\n"
+            f"          {hung_run}/hang/rank-00001.txt: a FIFO, not a regular file\n") in out
+    assert f"  {hung_run}/hang/rank-00001.txt: unreadable: a FIFO, not a regular file\n" in out
+    assert "line 2501, in all_reduce" in out  # rank 0's stack, still shown
+    report = json.loads(status_cli(hung_run, "--json").stdout)
+    assert report["damaged"]["heartbeats/rank-00000.json"] == "a character device, not a regular file"
+    assert report["unreadable_heartbeats"] == ["rank-00000.json", "rank-00001.json"]
+    run.job_chain.unlink()
+    os.mkfifo(run.job_chain)  # the chain is the command's to read whole: one line, as for a malformed chain
+    result = status_cli(hung_run)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert result.stderr == f"error: {run.job_chain}: cannot read it (a FIFO, not a regular file)\n"
+
+
+def loop(path):
+    path.symlink_to(path.name + ".other")
+    path.with_name(path.name + ".other").symlink_to(path.name)
+
+
+DAMAGED_STATUS = {
+    "cut short": (lambda p: p.write_text('{"state": "running", "step": 3, "ti'),
+                  "not valid JSON (Unterminated string starting at line 1 column 33)"),
+    "a JSON list": (lambda p: p.write_text('["running"]'), "not a JSON object (got a list)"),
+    "no state": (lambda p: p.write_text('{"step": 3}'), 'not a status (no "state" string)'),
+    "not UTF-8": (lambda p: p.write_bytes(b'{"state": "\xff"}'), "not valid JSON ('utf-8' codec can't decode"),
+    "a directory": (lambda p: p.mkdir(), "a directory, not a regular file"),
+    "a symlink loop": (loop, "Too many levels of symbolic links"),
+    "50 MB": (lambda p: os.truncate(p.write_text("{") and p, 50 << 20), "larger than 1,048,576 bytes (52,428,800)"),
+}
+
+
+@pytest.mark.parametrize("damage, why", DAMAGED_STATUS.values(), ids=DAMAGED_STATUS.keys())
+def test_a_damaged_status_is_named_and_a_run_with_checkpoints_is_never_not_started(tmp_path, capsys, damage, why):
+    run = RunDir(tmp_path)
+    for step in (2, 4):
+        (run.checkpoints / f"step-{step:07d}").mkdir(parents=True)
+    damage(run.status)
+    assert main(["status", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "state     unknown: status.json is damaged (below); checkpoints up to step 4 (2 in all)\n" in out
+    assert f"damaged   {tmp_path}/status.json: {why}" in out
+    assert "not started" not in out
+
+
+def test_without_status_json_a_run_that_has_trained_says_so(tmp_path, capsys):
+    run = RunDir(tmp_path)
+    (run.checkpoints / "step-0000006").mkdir(parents=True)
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "state     no status.json; checkpoints up to step 6 (1 in all): the run has trained\n" in out
+    for path in run.checkpoints.iterdir():
+        path.rmdir()
+    run.config.write_text("train: {}\n")
+    assert main(["status", str(tmp_path)]) == 0
+    assert "state     no status.json yet (not started)\n" in capsys.readouterr().out
+
+
+ESCAPES = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e"  # clear the screen, retitle the window, a C1 CSI, a bidi override
+
+
+def test_no_control_character_reaches_the_terminal_and_long_text_is_cut_to_a_page(hung_run):
+    run = RunDir(hung_run)
+    error = "\n".join(f"line {i} {ESCAPES} " + "x" * 2000 for i in range(300))  # 600 KB: under the size cap
+    run.write(run.status, json.dumps({"state": "failed", "step": 7, "total_steps": 100, "error": error}))
+    run.write(run.heartbeat(0), json.dumps(beat(0, "node3" + ESCAPES + "\r\b" + "h" * 5000, 7, 2, where="w" * 100_000)))
+    run.write(run.hang_stacks(1), WATCHDOG_STACKS.replace("time.sleep(600)", ESCAPES + "s" * 900_000))
+    run.write(run.job_chain, "".join(json.dumps({**e, "nodes": "node" + ESCAPES} if "nodes" in e else e) + "\n"
+                                     for e in CHAIN))
+    result = status_cli(hung_run)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    shown = [c for c in out if c != "\n" and (unicodedata.category(c) in ("Cc", "Cf") or c in "\u2028\u2029")]
+    assert shown == [], shown
+    assert "failed at step 7/100: line 0 \\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e xxx" in out  # seen, not obeyed
+    assert "node\\x1b[2J" in out and "node3\\x1b[2J\\x1b]0;owned\\x07\\x9b31m\\u202e\\r\\x08hh" in out
+    lines = out.splitlines()
+    assert len(lines) < 60 and max(map(len, lines)) < 700
+    assert f"          ... (cut; see {hung_run}/status.json)" in out
+    assert "line 11 " in out and "line 12 " not in out  # 12 lines of the error
+    report = json.loads(status_cli(hung_run, "--json").stdout)  # JSON escapes them; the data stays whole
+    assert report["status"]["error"] == error and "\x1b" not in status_cli(hung_run, "--json").stdout

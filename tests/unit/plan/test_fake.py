@@ -111,14 +111,44 @@ def test_search_ranks_the_layouts_that_fit_fastest_first_and_draws_them(tmp_path
     assert picture.stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("argv, says", [(["--world", "0"], "--world"), (["--world", "2", "--preset", "nowhere"],
-                                                                         "slurm.preset")])
+FLAG_RANGE = "it must be above 0 and at most"
+BAD_ARGUMENTS = {
+    "no ranks": (["--world", "0"], "error: plan: --world is 0; it must be at least 1 (ranks)"),
+    "no nodes": (["--nodes", "0"], "error: plan: --nodes is 0; it must be at least 1 (nodes)"),
+    "no ranks per node": (["--nodes", "2", "--gpus-per-node", "-8"], "error: plan: --gpus-per-node is -8;"),
+    "an unknown preset": (["--world", "2", "--preset", "nowhere"], "slurm.preset"),
+    "negative memory": (["--world", "2", "--device-memory", "-1"],
+                        f"error: plan: --device-memory is -1.0; {FLAG_RANGE} 1,000,000 (GB of device memory per rank)"),
+    "infinite memory": (["--world", "2", "--device-memory", "inf"], "--device-memory is inf;"),
+    "efficiency 5": (["--world", "2", "--efficiency", "5"], f"error: plan: --efficiency is 5.0; {FLAG_RANGE} 1 (the "
+                     "fraction of the peak FLOP/s the matmuls reach)"),
+    "efficiency nan": (["--world", "2", "--efficiency", "nan"], "--efficiency is nan;"),
+    "efficiency 0": (["--world", "2", "--efficiency", "0"], "--efficiency is 0.0;"),
+    "no peak": (["--world", "2", "--peak-tflops", "0"], f"error: plan: --peak-tflops is 0.0; {FLAG_RANGE} 1,000,000"),
+    "a peak past a float": (["--world", "2", "--peak-tflops", "1e999"], "--peak-tflops is inf;"),
+}
+
+
+@pytest.mark.parametrize("argv, says", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
 def test_a_bad_plan_argument_is_one_line_and_exit_2(capsys, argv, says):
     from clustertrain.cli import main
 
     assert main(["plan", *argv, *[f"--set={o}" for o in TINY]]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_plot_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys):
+    from clustertrain.cli import main
+
+    (tmp_path / "taken").write_text("a file where the folder should be")
+    for picture, says in ((tmp_path / "taken" / "plan.png", f"(File exists: {tmp_path / 'taken'})"),
+                          (tmp_path / "plan.xyz", "Format 'xyz' is not supported")):
+        code = main(["plan", "--world", "2", "--peak-tflops", "1", "--plot", str(picture),
+                     *[f"--set={o}" for o in TINY]])
+        err = capsys.readouterr().err
+        assert code == 2 and err.startswith(f"error: plan --plot: cannot write {picture}") and says in err, err
+        assert err.count("\n") == 1 and not picture.exists()
 
 
 @pytest.mark.parametrize("schedule, held", [("gpipe", [4, 4]), ("1f1b", [2, 1]), ("interleaved_1f1b", [5, 3])])
@@ -155,3 +185,62 @@ def test_the_activations_follow_the_attention_kernel():
     rows, seq = 4, 512
     assert kept["sdpa"].activations - kept["flash_attention_2"].activations >= rows * seq * seq
     assert kept["flash_attention_2"] == kept["flex_attention"]
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_a_pipeline_s_planned_step_is_its_compute_stretched_by_the_bubble(schedule, stages_per_rank):
+    """1F1B idles (pp - 1) / (m + pp - 1) of a step, m its microbatches (interleaved: divided by the stages per
+    rank), so the planned step is the compute over the share it is busy, plus the activations pp sends."""
+    from clustertrain.plan.cost import Device
+    from clustertrain.plan.plan import make_plan
+    from clustertrain.train.resolve import resolve_run
+
+    pp, m = 2, 4
+    config = load_checked_config(None, [*TINY, f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
+                                        f"parallel.microbatches={m}", "model.config.num_hidden_layers=4",
+                                        "parallel.param_dtype=float32"])
+    run = resolve_run(config, pp, pp, "cpu")
+    assert (run.layout.grad_accum, run.layout.micro_batch) == (m, 2)  # global batch 8 in 4 microbatches of 2
+    device = Device("test", memory_bytes=None, peak_flops=1e12, intra_node_bps=1e9, inter_node_bps=1e9, per_node=8,
+                    efficiency=0.5)
+    plan = make_plan(run.config, run.layout, per_node=8, device=device)
+    idle = (pp - 1) / stages_per_rank / (m + pp - 1)  # 1/5 of the step, 1/10 interleaved over two stages a rank
+    assert plan.bubble == pytest.approx(idle, rel=1e-12)
+    compute = plan.stages[0].flops_per_token * 8 * 64 / pp / (1e12 * 0.5)  # global batch 8 × seq 64 over 2 ranks
+    assert plan.compute_s == pytest.approx(compute, rel=1e-12)
+    sent = 2 * m * 2 * 64 * 64 * 4  # activations out and gradients back: m microbatches of 2 × 64 × hidden 64, fp32
+    assert plan.comm_s == pytest.approx({"pp": sent / 1e9}, rel=1e-12)
+    assert plan.step_s == pytest.approx(compute / (1 - idle) + sent / 1e9, rel=1e-12)
+
+
+def test_ddp_s_planned_peak_holds_a_bucket_copy_of_every_trainable_parameter():
+    """DDP all-reduces its gradients through buckets as large as the trainable parameters: a full fine-tune's
+    peak is a single rank's (same rows per rank, no wrapper) plus one float32 copy of the model. (LoRA's buckets
+    are a rounding error; a full model's are a quarter of its steady state.)"""
+    from clustertrain.plan.fake import fake_world, measure_rank
+    from clustertrain.train.resolve import resolve_run
+
+    common = [*TINY, "parallel.param_dtype=float32", "train.micro_batch_size=4"]
+    ddp = resolve_run(load_checked_config(None, [*common, "parallel.strategy=ddp", "train.global_batch_size=8"]),
+                      2, 2, None)
+    alone = resolve_run(load_checked_config(None, [*common, "train.global_batch_size=4"]), 1, 1, None)
+    assert ddp.layout.wrapper == "ddp" and alone.layout.wrapper is None
+    assert ddp.layout.micro_batch * ddp.layout.grad_accum == alone.layout.micro_batch * alone.layout.grad_accum
+    with fake_world(2, 0):
+        replica = measure_rank(ddp.config, ddp.layout)
+    with fake_world(1, 0):
+        single = measure_rank(alone.config, alone.layout)
+    model_bytes = 4 * sum(p.numel() for p in build_tiny_model().parameters())
+    assert replica.params == replica.trainable == single.params == model_bytes
+    assert replica.buckets == model_bytes and single.buckets == 0
+    assert replica.peak - single.peak == model_bytes, (replica, single)
+
+
+def build_tiny_model():
+    """TINY's Llama as transformers builds it (on the meta device): the parameters a plan must count."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256, vocab_size=512)
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)

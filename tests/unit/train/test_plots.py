@@ -4,11 +4,13 @@ naming the file and line, never a traceback. What a run writes (NaN, null, a cut
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
 
 from clustertrain.cli import main
+from clustertrain.train.plots import run_curves
 
 GOOD = [json.dumps({"step": s, "loss": 5.0 / s, "tokens_per_s": 1000.0, "eta_s": None}) for s in range(1, 5)]
 
@@ -62,3 +64,31 @@ def test_what_a_run_writes_still_plots(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("\n".join(records))  # the last line cut by a kill: no newline
     assert main(["plot", str(tmp_path)]) == 0, capsys.readouterr().err
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_infinities_are_gaps_and_values_near_the_float_limit_do_not_break_the_axes(tmp_path, capsys):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    records = [
+        '{"step": 1, "loss": 5.0, "tokens_per_s": 1000.0, "lr": 1e308}',
+        '{"step": 2, "loss": Infinity, "tokens_per_s": -1e308, "lr": -1e308, "mfu": 1e307}',  # MFU drawn ×100: inf
+        '{"step": 3, "loss": -Infinity, "tokens_per_s": 1e308, "mfu": 1e308}',
+        '{"step": 4, "loss": 1e308, "tokens_per_s": 2000.0}',
+        '{"step": 5, "loss": -1e308, "tokens_per_s": 3000.0}',
+        '{"step": 6, "loss": 2.0, "tokens_per_s": 4000.0}',
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(records) + "\n")
+    curves = run_curves(tmp_path).curves
+    assert [(step, value) for step, value in curves["loss"] if not math.isnan(value)] == [(1, 5.0), (6, 2.0)]
+    assert [step for step, value in curves["tokens_per_s"] if not math.isnan(value)] == [1, 4, 5, 6]
+    assert main(["plot", str(tmp_path)]) == 0, capsys.readouterr().err
+    # lr and MFU hold nothing but gaps: two panels (loss, tokens/s) on one row of two
+    assert plt.imread(tmp_path / "curves.png").shape[:2] == (400, 1100)
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    (tmp_path / "metrics.jsonl").write_text("\n".join(GOOD) + "\n")
+    out = tmp_path / "metrics.jsonl" / "curves.png"
+    assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {out} (File exists: {tmp_path / 'metrics.jsonl'}); " \
+        "give -o a path you can write\n"
