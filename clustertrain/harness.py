@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from clustertrain.errors import UserError
+from clustertrain.errors import UserError, first_line
 
 # The exact match of `clustertrain eval --data`: greedy, up to EOS, both sides stripped of surrounding whitespace.
 STRIP = ["^\\s+", "\\s+$"]
@@ -41,22 +41,17 @@ def jsonl_task(path: Path, name: str, max_gen_toks: int) -> dict[str, Any]:
 
 
 def resolve_tasks(specs: list[str], tokenizer, workdir: Path) -> tuple[list[str], list[str]]:
-    """Task names and the folders that define them: a name as is (lm-eval's own, or from an --include-path), a
-    task .yaml (its `task:` name, its folder included), a prompt/completion .jsonl (a task written to `workdir`,
-    named after the file, answers up to the longest completion's tokens plus one, as `clustertrain eval`)."""
+    """Task specs for lm-eval and the folders that define them: a name as is (lm-eval's own, or from an
+    --include-path), a task .yaml as its absolute path (lm-eval loads it, see `task_yaml`), a prompt/completion
+    .jsonl (a task written to `workdir`, named after the file, answers up to the longest completion's tokens plus
+    one, as `clustertrain eval`)."""
     from clustertrain.data.synthetic import read_task
 
     names, folders = [], []
     for spec in specs:
         path = Path(spec)
         if path.suffix in (".yaml", ".yml"):
-            if not path.is_file():
-                raise UserError(f"--tasks {spec}: no such task file")
-            name = (yaml.safe_load(path.read_text()) or {}).get("task") if path.is_file() else None
-            if not isinstance(name, str):
-                raise UserError(f"--tasks {spec}: a task YAML needs a `task: NAME` line")
-            names.append(name)
-            folders.append(str(path.resolve().parent))
+            names.append(str(task_yaml(spec)))
         elif path.suffix == ".jsonl":
             records = read_task(path)  # a missing file or a bad line: one line naming it
             longest = max(len(tokenizer.encode(r["completion"], add_special_tokens=False)) for r in records)
@@ -68,6 +63,94 @@ def resolve_tasks(specs: list[str], tokenizer, workdir: Path) -> tuple[list[str]
         else:
             names.append(spec)
     return names, list(dict.fromkeys(folders))
+
+
+def task_yaml(spec: str) -> Path:
+    """The task YAML `spec` names, checked, for lm-eval to load by its path (not by indexing its folder, which
+    may hold anything). Its `!function utils.f` tags import `f` from the utils.py beside it, as lm-eval documents:
+    the user's own code, by their choice. A task YAML in a run directory or checkpoint names no code: such folders
+    are written by runs and shared as data, so a `!function` there (or in a file it includes) is refused."""
+    from lm_eval.tasks._yaml_loader import load_yaml  # what lm-eval's TaskManager loads a task YAML with
+
+    path = Path(spec)
+    if not path.is_file():
+        raise UserError(f"--tasks {spec}: no such task file")
+    files = _task_files(path, spec)
+    name = files[0][1].get("task")
+    if not isinstance(name, str):
+        raise UserError(f"--tasks {spec}: a task YAML needs a `task: NAME` line")
+    check_no_code_in_runs(spec, files)
+    try:
+        load_yaml(path, resolve_func=True)  # a missing module or function: one line now, not a traceback later
+    except Exception as e:  # noqa: BLE001 - the user's module may raise anything on import
+        raise UserError(f"--tasks {spec}: {type(e).__name__}: {first_line(e)}") from None
+    return path.resolve()
+
+
+class _TaskLoader(yaml.SafeLoader):
+    """A task YAML read as data: lm-eval's `!function NAME` tags are noted in `functions`, nothing imported."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self.functions: list[str] = []
+
+
+def _note_function(loader: _TaskLoader, node: yaml.ScalarNode) -> str:
+    name = loader.construct_scalar(node)
+    loader.functions.append(name)
+    return name
+
+
+_TaskLoader.add_constructor("!function", _note_function)
+
+
+def _task_files(path: Path, spec: str, seen: frozenset[Path] = frozenset()) -> list[tuple[Path, dict, list[str]]]:
+    """(file, config, `!function` names) of task YAML `path` and of the files it includes (lm-eval's `include:`)."""
+    path = path.resolve()
+    if path in seen or not path.is_file():  # lm-eval itself reports a circle or a missing include
+        return []
+    loader = _TaskLoader(path.read_bytes())
+    loader.name = str(path)  # what its error marks name, not "<byte string>"
+    try:
+        config = loader.get_single_data()
+    except (yaml.YAMLError, RecursionError) as e:
+        reason = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())
+        raise UserError(f"--tasks {spec}: {path}: not valid YAML: {reason}") from None
+    finally:
+        loader.dispose()
+    config = config if isinstance(config, dict) else {}
+    found = [(path, config, loader.functions)]
+    includes = config.get("include") or []
+    for include in [includes] if isinstance(includes, str) else includes:
+        if isinstance(include, str):
+            found += _task_files(path.parent / include, spec, seen | {path})
+    return found
+
+
+def check_no_code_in_runs(spec: str, files: list[tuple[Path, dict, list[str]]]) -> None:
+    """A UserError when a task YAML that lies in a run directory or checkpoint, or includes one that does, names
+    code with `!function`."""
+    functions = [(file, name) for file, _, names in files for name in names]
+    inside = [(file, run) for file, _, _ in files if (run := run_folder(file))]
+    if functions and inside:
+        (file, name), (_, run) = functions[0], inside[0]
+        raise UserError(f"--tasks {spec}: {file} names code to import (`!function {name}`) and its task lies in "
+                        f"{run}, a run directory or checkpoint, whose files may name no code; copy the task and its "
+                        ".py out of it (if you trust them) and pass that copy")
+
+
+def run_folder(path: Path) -> Path | None:
+    """The run directory or checkpoint that `path` lies in, if any: a folder holding a checkpoint's train state, a
+    run's status, lock or heartbeats, or checkpoints/step-N (a project's own empty checkpoints/ is no run)."""
+    from clustertrain.checkpoint.train_state import TRAIN_STATE
+    from clustertrain.run_dir import RunDir
+
+    for folder in path.resolve().parents:
+        run = RunDir(folder)
+        if (folder / TRAIN_STATE).is_file() or any(p.exists() for p in (run.status, run.lock, run.heartbeats)) or \
+                any(run.checkpoints.glob("step-*")):
+            return folder
+    return None
 
 
 def run_tasks(model, tokenizer, specs: list[str], *, limit: int | None = None, include: list[str] = (),
@@ -105,21 +188,26 @@ def check_tasks(specs: list[str], tokenizer, include: list[str] = ()) -> None:
 
 
 def _tasks(specs: list[str], tokenizer, include: list[str]):
-    """The task names of `specs` and an lm-eval TaskManager that knows them (lm-eval's own tasks indexed only
-    when one is asked for: that takes seconds). JSONL tasks' YAMLs go to this process's one folder."""
+    """The task specs of `specs` and an lm-eval TaskManager that knows them (lm-eval's own tasks indexed only
+    when one is asked for: that takes seconds). JSONL tasks' YAMLs go to this process's one folder; task YAMLs
+    are loaded by path. A named task defined in a run directory or checkpoint may name no code either."""
     try:
         import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise UserError("lm-eval tasks need lm-evaluation-harness: pip install 'clustertrain[eval]'") from None
     names, folders = resolve_tasks(specs, tokenizer, _task_folder())
     folders = tuple(folders + [str(Path(p).resolve()) for p in include])
-    own = _task_manager(folders, tuple(names), defaults=False) if folders else None
-    defaults = any(own is None or name not in own.all_tasks for name in names)
+    named = [n for n in names if not n.endswith((".yaml", ".yml"))]
+    own = _task_manager(folders, tuple(names), defaults=False)
+    defaults = any(name not in own.all_tasks for name in named)
     manager = _task_manager(folders, tuple(names), defaults=True) if defaults else own
-    if unknown := [n for n in names if n not in manager.all_tasks]:
+    if unknown := [n for n in named if n not in manager.all_tasks]:
         raise UserError(f"unknown lm-eval task(s) {', '.join(unknown)}; `lm-eval ls tasks` lists lm-eval's own, "
                         "--include-path adds a folder of task YAMLs, and a .jsonl of prompt/completion records is a "
                         "task too")
+    for name in named:
+        if (source := manager.task_index[name].yaml_path) is not None and run_folder(Path(source)):
+            check_no_code_in_runs(name, _task_files(Path(source), name))
     return names, manager
 
 

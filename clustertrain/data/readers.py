@@ -205,6 +205,20 @@ def _records(f, offset: int, line_no: int, kind: str) -> Iterator[tuple[int, int
         yield start_line, first_offset, b"".join(record)
 
 
+def check_json_lines(path: Path) -> None:
+    """A DataError naming the first line of JSON-lines file `path` that is not a JSON object (UTF-8 text), for
+    readers that do not say where (Arrow's); a file holding one JSON array is parsed whole instead."""
+    bad = BadData("error")
+    with open(path, "rb") as f:
+        if f.read(len(BOM) + 64).removeprefix(BOM).lstrip().startswith(b"["):
+            _load_json(path, bad)
+            return
+        f.seek(0)
+        for line_no, offset, raw in _records(f, 0, 1, "lines"):
+            text = decode(raw, offset, f"{path}:{line_no}", bad)
+            parse_object(text, f"{path}:{line_no}", bad)
+
+
 class LineRecords:
     """A line-based file read through its sparse index: a JSON object per line (`unit="json"`, jsonl), or text
     with a document per blank-line-separated paragraph or per line."""

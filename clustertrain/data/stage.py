@@ -11,7 +11,8 @@ path and a content fingerprint. Each shard goes to a hidden temporary file, is r
 the manifest together with the stream's position after it (`IterableDataset.state_dict()`); the manifest is
 replaced atomically. A stage killed at any moment resumes after its last listed shard (unlisted files are removed),
 and its shards and checksums equal those of a stage never stopped. The manifest says `complete` once a limit or
-the source's end is reached; `clustertrain.data.staged` reads it for training.
+the source's end is reached; `clustertrain.data.staged` reads it for training. The rows come from
+`clustertrain.data.stage_source`.
 
 `max_tokens` counts the tokens training will see: the run's tokenizer (`tokenizer`) encodes each text without
 special tokens, plus the EOS that packing appends after each document. Without a tokenizer only `max_rows`
@@ -20,51 +21,53 @@ limits a stage, and the manifest records rows and UTF-8 bytes.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
-from clustertrain.data.readers import check_text, json_type
+from clustertrain.data.stage_source import (Origin, StageRequest, find_origin, hub_revision, local_files,
+                                            open_stream, texts_of)
 from clustertrain.data.staged import MANIFEST, MANIFEST_FORMAT, TEXT_COLUMN, is_staged, read_manifest
-from clustertrain.errors import DataError, UserError, first_line
+from clustertrain.errors import DataError, UserError
 from clustertrain.files import write_atomic
 
 CHUNK_ROWS = 1000  # rows read and tokenized at a time
 ROW_GROUP_ROWS = 1024  # rows per Parquet row group: training reads a shard a group at a time
-FINGERPRINT_BYTES = 1 << 20  # of each local file, its first and last MiB are hashed (with its name and size)
-FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv",
-                 ".txt": "text", ".arrow": "arrow"}
+NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}  # the user's choice of folder: exit 2
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # exit 74, as a checkpoint save or an export onto a full disk
 # What must match for a stage to resume in the same folder (besides the local fingerprint).
 IDENTITY = ("source", "subset", "split", "text_field", "max_rows", "max_tokens", "tokenizer", "shard_rows")
 
 
-@dataclass(frozen=True)
-class StageRequest:
-    """What to stage: the arguments of `clustertrain stage dataset`."""
+class StageWriteFailed(DataError):
+    """The disk or the quota filled while staging: exit 74 (EX_IOERR), as for a failed checkpoint save or export."""
 
-    source: str
-    out: Path
-    subset: str | None = None
-    split: str = "train"
-    text_field: str = "text"
-    max_rows: int | None = None
-    max_tokens: int | None = None
-    tokenizer: str | None = None
-    shard_rows: int = 50_000
-    command: str = "clustertrain stage dataset"  # the command line, for the message that says how to finish
+    exit_code = 74
 
 
-@dataclass(frozen=True)
-class Origin:
-    """Where the rows come from: a hub dataset at a commit (`revision`), or a local path with a fingerprint."""
-
-    kind: str  # "hub" or "local"
-    name: str
-    revision: str | None = None
-    fingerprint: str | None = None
+@contextlib.contextmanager
+def writing(out: Path):
+    """Writes into `out` that the OS refuses as one line: exit 2 for a folder that cannot be written, 74 for a full
+    disk or quota. The shards the manifest lists, and the manifest, are left as they were: a rerun resumes."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE | NO_SPACE:
+            raise
+        for tmp in out.glob(".part-*"):  # the failed shard: its space back
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+        reason = os.strerror(e.errno).lower()  # pyarrow's own text is long, and it names no file
+        if e.errno in NOT_WRITABLE:
+            raise DataError(f"cannot write {out}: {reason}; stage into a folder you can write to (the shards "
+                            f"{MANIFEST} lists are kept: the same command resumes after them)") from None
+        raise StageWriteFailed(f"writing {out} failed: {reason}; the shards {out / MANIFEST} lists are intact: free "
+                               "space and run the same command again to resume after them") from None
 
 
 def check_request(request: StageRequest) -> None:
@@ -78,112 +81,6 @@ def check_request(request: StageRequest) -> None:
                         ("--shard-rows", request.shard_rows)):
         if value is not None and value <= 0:
             raise UserError(f"{flag} must be a positive number, not {value}")
-
-
-def find_origin(source: str) -> Origin:
-    """A local path (with its fingerprint) when `source` exists; else a hub id, its revision not yet asked."""
-    path = Path(source).expanduser()
-    if path.exists():
-        return Origin("local", str(path.resolve()), fingerprint=fingerprint(path))
-    if source.startswith(("/", ".", "~")) or source.count("/") > 1 or Path(source).suffix in FILE_BUILDERS:
-        raise UserError(f"{source}: no such file or directory (give a local dataset path, or a hub id like "
-                        "Zyphra/Zyda-2)")
-    return Origin("hub", source)
-
-
-def hub_revision(name: str, *, required: bool = True) -> str | None:
-    """The commit sha of hub dataset `name` now; a UserError (or None if not `required`) when the hub says no."""
-    from huggingface_hub import HfApi
-
-    try:
-        return HfApi().dataset_info(name).sha
-    except Exception as e:  # noqa: BLE001 - offline mode, no network, no such repo, gated: all mean "cannot stage"
-        if not required:
-            return None
-        raise UserError(f"hub dataset {name!r}: {first_line(e)} (stage from the hub where it can be reached, e.g. a "
-                        "login node; HF_HUB_OFFLINE must not be 1)") from None
-
-
-def local_files(path: Path) -> list[Path]:
-    """The files of a local dataset path, hidden ones left out, in sorted order."""
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*")
-                  if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
-
-
-def fingerprint(path: Path) -> str:
-    """A sha256 over each file's relative name, size, and first and last MiB: a changed, added or removed file
-    changes it, without reading terabytes."""
-    digest = hashlib.sha256()
-    for file in local_files(path):
-        size = file.stat().st_size
-        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{size}\0".encode())
-        with open(file, "rb") as f:
-            digest.update(f.read(FINGERPRINT_BYTES))
-            if size > 2 * FINGERPRINT_BYTES:
-                f.seek(size - FINGERPRINT_BYTES)
-                digest.update(f.read(FINGERPRINT_BYTES))
-    return digest.hexdigest()
-
-
-def open_stream(origin: Origin, request: StageRequest, state: dict | None = None):
-    """The source as a `datasets.IterableDataset`, positioned after `state` (a saved `state_dict()`)."""
-    import datasets
-
-    path = Path(origin.name)
-    try:
-        if origin.kind == "hub":
-            stream = datasets.load_dataset(origin.name, request.subset, split=request.split, streaming=True,
-                                           revision=origin.revision)
-        elif path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
-            saved = datasets.load_from_disk(str(path))
-            if isinstance(saved, datasets.DatasetDict):
-                if request.split not in saved:
-                    raise UserError(f"{path}: no split '{request.split}' (splits: {', '.join(saved)})")
-                saved = saved[request.split]
-            stream = saved.to_iterable_dataset()
-        elif path.is_file():
-            if path.suffix not in FILE_BUILDERS:
-                raise UserError(f"{path}: cannot tell the format from the extension ({', '.join(FILE_BUILDERS)})")
-            stream = datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files={request.split: str(path)},
-                                           split=request.split, streaming=True)
-        else:
-            stream = datasets.load_dataset(str(path), request.subset, split=request.split, streaming=True)
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 - datasets raises many kinds for a bad name, split, subset or file
-        raise UserError(f"{request.source}: {first_line(e)}") from None
-    features = stream.features  # known from the files or the hub's metadata, or None: then each row is checked
-    if features is not None and request.text_field not in features:
-        raise UserError(f"{request.source}: its records have no field '{request.text_field}' (fields: "
-                        f"{', '.join(features)}); give --text-field")
-    if state is not None:
-        stream.load_state_dict(state)
-    return stream
-
-
-def texts_of(stream, request: StageRequest, first_row: int) -> Iterator[str]:
-    """The text field of each record, checked; a UserError naming the row for one without it."""
-    rows = iter(stream)
-    index = first_row
-    while True:
-        try:
-            record = next(rows)
-        except StopIteration:
-            return
-        except Exception as e:  # noqa: BLE001 - a malformed file surfaces while reading, as any of many kinds
-            raise DataError(f"{request.source}: cannot read row {index} ({first_line(e)})") from None
-        value = record.get(request.text_field)
-        if request.text_field not in record:
-            fields = ", ".join(map(str, record)) or "none"
-            raise UserError(f"{request.source} row {index}: no field '{request.text_field}' (fields: {fields}); "
-                            "give --text-field")
-        if not isinstance(value, str):
-            raise DataError(f"{request.source} row {index}: field '{request.text_field}' is {json_type(value)}, "
-                            "not a string")
-        yield check_text(value, f"{request.source} row {index}: field '{request.text_field}'")
-        index += 1
 
 
 def new_manifest(request: StageRequest, origin: Origin) -> dict:
@@ -223,11 +120,12 @@ def existing_manifest(request: StageRequest, origin: Origin) -> dict | None:
 def remove_unlisted(out: Path, manifest: dict) -> None:
     """Remove shards a killed stage wrote but never listed, and its temporary files."""
     listed = {shard["file"] for shard in manifest["shards"]}
-    for path in out.glob("part-*.parquet"):
-        if path.name not in listed:
+    with writing(out):
+        for path in out.glob("part-*.parquet"):
+            if path.name not in listed:
+                path.unlink()
+        for path in out.glob(".part-*"):
             path.unlink()
-    for path in out.glob(".part-*"):
-        path.unlink()
     for shard in manifest["shards"]:
         path = out / shard["file"]
         if not path.is_file() or path.stat().st_size != shard["bytes"]:
@@ -290,8 +188,10 @@ def list_shard(out: Path, manifest: dict, texts: list[str], tokens: int | None, 
                ended_by: str | None) -> None:
     """Write the next shard, then list it in the manifest with the stream's position after it (None and
     `ended_by` for the last one)."""
-    out.mkdir(parents=True, exist_ok=True)
-    manifest["shards"].append(write_shard(out, len(manifest["shards"]), texts, tokens))
+    with writing(out):
+        out.mkdir(parents=True, exist_ok=True)
+        shard = write_shard(out, len(manifest["shards"]), texts, tokens)
+    manifest["shards"].append(shard)
     manifest.update(resume_state=resume_state, complete=ended_by is not None, ended_by=ended_by)
     save_manifest(out, manifest)
 
@@ -299,7 +199,8 @@ def list_shard(out: Path, manifest: dict, texts: list[str], tokens: int | None, 
 def save_manifest(out: Path, manifest: dict) -> None:
     import json
 
-    write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n", durable=True)
+    with writing(out):
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=1) + "\n", durable=True)
 
 
 def totals(manifest: dict) -> tuple[int, int | None]:
@@ -393,4 +294,3 @@ def describe_stage(request: StageRequest) -> list[str]:
         state = "complete: nothing to fetch" if manifest["complete"] else "partial: would resume after it"
         lines.append(f"{request.out} holds {len(manifest['shards'])} shards, {rows:,} rows of this stage ({state})")
     return lines
-

@@ -195,6 +195,36 @@ def tiny_export(tmp_path_factory):
     return write_tiny_repo(tmp_path_factory.mktemp("tiny"))
 
 
+FUNCTION_TASK = """task: two_docs
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {data}}}}}
+test_split: test
+output_type: generate_until
+process_docs: !function utils.first_two
+doc_to_text: "{{{{prompt}}}}"
+doc_to_target: "{{{{completion}}}}"
+generation_kwargs: {{until: [], do_sample: false, max_gen_toks: 2}}
+metric_list: [{{metric: exact_match}}]
+"""
+
+
+def test_a_task_yaml_s_function_tag_runs_the_users_code_beside_it(tiny_export, tmp_path):
+    """lm-eval's documented `!function utils.first_two`: imported from the utils.py beside the task YAML (not from
+    the working directory), and applied: two of the five documents are scored."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    data = folder / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "the", "completion": f" fox {i}"}) + "\n" for i in range(5)))
+    (folder / "two_docs.yaml").write_text(FUNCTION_TASK.format(data=data))
+    (folder / "utils.py").write_text("def first_two(dataset):\n    return dataset.select(range(2))\n")
+    result = run_cli("eval", str(tiny_export), "--tasks", str(folder / "two_docs.yaml"), "--json", "--device", "cpu",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout)
+    assert results["n-samples"]["two_docs"] == {"original": 2, "effective": 2}
+    assert "exact_match,none" in results["results"]["two_docs"]
+
+
 @pytest.mark.parametrize("device, message", [
     ("cuda", "--device cuda: this torch build sees no GPU; use --device cpu (or auto)"),
     ("cuda:7", "--device cuda:7: this torch build sees no GPU; use --device cpu (or auto)"),

@@ -7,7 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -205,6 +208,11 @@ def bad_inputs(folder: Path, tmp_path: Path) -> list[tuple[list[str], str]]:
     full = tmp_path / "full"
     full.mkdir()
     (full / "notes.txt").write_text("mine")
+    broken = tmp_path / "broken"  # Arrow's JSON reader said "cannot read row 0 (... Invalid encoding ...)"
+    write_jsonl_dataset(broken, files=2, rows=150)
+    lines = (broken / "part-1.jsonl").read_text().splitlines(keepends=True)
+    lines[100] = '{"text": "an unterminated string\n'
+    (broken / "part-1.jsonl").write_text("".join(lines))
     return [
         ([str(tmp_path / "missing"), str(tmp_path / "o1")], f"{tmp_path / 'missing'}: no such file or directory"),
         ([str(folder), str(tmp_path / "o2"), "--text-field", "content"],
@@ -219,6 +227,8 @@ def bad_inputs(folder: Path, tmp_path: Path) -> list[tuple[list[str], str]]:
         ([str(folder), str(taken)],
          f"{taken} holds a stage of {other} with source {str(other)!r}, not {str(folder)!r}"),
         ([str(folder), str(full)], f"{full}: not empty and holds no {MANIFEST}"),
+        ([str(broken), str(tmp_path / "o9")],
+         f"{broken / 'part-1.jsonl'}:101: malformed JSON (Invalid control character at column 33)\n"),
     ]
 
 
@@ -229,7 +239,7 @@ def test_bad_input_is_one_line_and_exit_2(dataset, tmp_path, capsys):
         assert main(["stage", "dataset", *args]) == 2, args
         err = capsys.readouterr().err
         assert err.startswith(f"error: {message}") and err.count("\n") == 1, (args, err)
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 9))  # a refused stage writes nothing
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 10))  # a refused stage writes nothing
     result = run_cli("stage", "dataset", str(folder), str(tmp_path / "o7"), "--max-rows", "1", "--max-tokens", "1")
     assert (result.returncode, result.stderr) == (2, "error: give --max-tokens or --max-rows, not both\n")
 
@@ -257,3 +267,72 @@ def test_the_mixture_recipe_stages_each_part_at_its_weight():
     assert staged.keys() == weights.keys()
     for path, tokens in staged.items():
         assert tokens == pytest.approx(1.1 * weights[path] * config.train.tokens), path
+
+
+DISK_SCRIPT = """
+import contextlib, io, json, subprocess, sys
+from pathlib import Path
+from clustertrain.cli import main
+
+source, mnt = sys.argv[1], Path(sys.argv[2])
+out = mnt / "out"
+
+
+def stage():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["stage", "dataset", source, str(out), "--shard-rows", "100"])
+    files = {p.name: p.read_bytes().hex() if p.name != "manifest.json" else p.read_text() for p in out.iterdir()}
+    return {"code": code, "err": err.getvalue(), "files": files}
+
+
+subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], check=True)
+full = stage()
+subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
+read_only = stage()
+subprocess.run(["mount", "-o", "remount,rw,size=8m", str(mnt)], check=True)
+resumed = stage()
+print(json.dumps({"full": full, "read_only": read_only, "resumed": resumed}))
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
+def test_a_full_or_read_only_disk_is_one_line_and_the_same_command_resumes(tmp_path):
+    """A real 256 KiB tmpfs, in a user and mount namespace of its own (root ignores a folder's mode; skipped where
+    unprivileged namespaces are not allowed, as in tests/unit/train/test_status.py): filled mid-stage (exit 74),
+    then read-only (exit 2), each in one line that names the path and the OS's reason, the listed shards and the
+    manifest untouched; with room again the same command resumes to the shards of a stage never stopped."""
+    folder = tmp_path / "source"
+    folder.mkdir()
+    rng = random.Random(0)  # hex of random bytes: shards that Parquet cannot compress below the tmpfs
+    with (folder / "rows.jsonl").open("w") as f:
+        for _ in range(3000):
+            f.write(json.dumps({"text": rng.randbytes(100).hex()}) + "\n")
+    (tmp_path / "mnt").mkdir()
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs tmpfs {tmp_path / 'mnt'}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no unprivileged tmpfs mount here: {probe.stderr.decode().strip()[:200]}")
+    result = subprocess.run(["unshare", "-rm", sys.executable, "-c", DISK_SCRIPT, str(folder), str(tmp_path / "mnt")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    full, read_only, resumed = json.loads(result.stdout.splitlines()[-1]).values()
+    out = tmp_path / "mnt" / "out"
+
+    assert full["code"] == 74 and full["err"].count("\n") == 1, full["err"]
+    assert full["err"].startswith(f"error: writing {out} failed: no space left on device; the shards "
+                                  f"{out / MANIFEST} lists are intact: free space and run the same command again")
+    manifest = json.loads(full["files"][MANIFEST])
+    assert not manifest["complete"] and 3 <= len(manifest["shards"]) < 30
+    assert sorted(full["files"]) == sorted([MANIFEST, *(s["file"] for s in manifest["shards"])])  # no partial shard
+    for shard in manifest["shards"]:
+        assert hashlib.sha256(bytes.fromhex(full["files"][shard["file"]])).hexdigest() == shard["sha256"]
+
+    assert read_only["code"] == 2 and read_only["err"].count("\n") == 1, read_only["err"]
+    assert read_only["err"].startswith(f"error: cannot write {out}: read-only file system; stage into a folder you "
+                                       "can write to")
+    assert read_only["files"] == full["files"]  # nothing lost, nothing half-written
+
+    reference = stage_dataset(StageRequest(source=str(folder), out=tmp_path / "reference", shard_rows=100))
+    assert resumed["code"] == 0, resumed["err"]
+    assert json.loads(resumed["files"][MANIFEST])["shards"] == reference["shards"] and len(reference["shards"]) == 30
