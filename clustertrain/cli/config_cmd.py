@@ -39,7 +39,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     convert.add_argument("file", help="the config to convert (.toml, .json, .yaml)")
     convert.add_argument("ds_config", nargs="?", help="a DeepSpeed JSON to go with TrainingArguments (default: "
                          "their `deepspeed` key)")
-    convert.add_argument("-o", "--out", metavar="YAML", help="write the config here (default: print it)")
+    convert.add_argument("-o", "--out", metavar="YAML", help="write the config here (default: print it); never "
+                         "over an input, nor over an existing file without --force")
+    convert.add_argument("--force", action="store_true", help="replace the -o file if it exists (never an input)")
     convert.add_argument("--from", dest="source", choices=("torchtitan", "hf", "stub"),
                          help="the file's format (default: told from its extension and keys)")
     convert.set_defaults(run=run_convert)
@@ -128,16 +130,17 @@ def run_convert(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from clustertrain.config.convert import convert
+    from clustertrain.cli.outputs import write_output
+    from clustertrain.config.convert import convert, one_line
 
     conversion = convert(args.file, args.ds_config, args.source)
     text = conversion.to_yaml(Path(args.file).name + (f" + {Path(args.ds_config).name}" if args.ds_config else ""))
     if args.out:
-        Path(args.out).write_text(text)
+        write_output(args.out, text, conversion.inputs, args.force)
     else:
         print(text, end="")
     for line in conversion.unmapped:
-        print(f"not mapped: {line}", file=sys.stderr)
+        print(f"not mapped: {one_line(line)}", file=sys.stderr)
     if args.out:
         print(f"wrote {args.out} ({len(conversion.unmapped)} key(s) not mapped); check it with: clustertrain config "
               f"check {args.out} --world N", file=sys.stderr)

@@ -8,6 +8,7 @@ keys to ours; a key no table maps, or a value with no counterpart, is reported i
 from __future__ import annotations
 
 import json
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import yaml
 from clustertrain.config import convert_tables as tables
 from clustertrain.config.convert_tables import HF_DEFAULTS, LLAMA3_COMMON, LLAMA3_FLAVORS, Unmapped
 from clustertrain.config.keys import schema_keys
-from clustertrain.config.load import read_config_file, read_utf8, set_dotted, validate
+from clustertrain.config.load import TOO_DEEP, check_depth, read_config_file, read_utf8, set_dotted, validate
 from clustertrain.config.strategy import strategy_of_stage
 from clustertrain.errors import ConfigError
 
@@ -28,17 +29,29 @@ _FORMAT_NAMES = {"torchtitan": "torchtitan TOML", "hf": "HF/TRL TrainingArgument
 
 @dataclass
 class Conversion:
-    """A converted config: `config` holds only the keys mapped, nested; `unmapped` one line per key not."""
+    """A converted config: `config` holds only the keys mapped, nested; `unmapped` one line per key not;
+    `inputs` the files read (which an output must never replace)."""
 
     source: str
     config: dict[str, Any] = field(default_factory=dict)
     unmapped: list[str] = field(default_factory=list)
+    inputs: list[Path] = field(default_factory=list)
 
     def to_yaml(self, origin: str) -> str:
         """The config as YAML, headed by where it came from and followed by the keys not mapped, as comments."""
-        lines = [f"# converted from {origin} ({_FORMAT_NAMES[self.source]}) by `clustertrain config convert`"]
-        lines += [f"# not mapped: {line}" for line in self.unmapped]
-        return "\n".join(lines) + "\n" + yaml.safe_dump(self.config, sort_keys=False)
+        lines = [f"converted from {origin} ({_FORMAT_NAMES[self.source]}) by `clustertrain config convert`"]
+        lines += [f"not mapped: {line}" for line in self.unmapped]
+        return "".join(f"# {one_line(line)}\n" for line in lines) + yaml.safe_dump(self.config, sort_keys=False)
+
+
+def one_line(text: str) -> str:
+    """`text` with every character that could end a line or steer a terminal escaped (`\\n`, `\\x85`, `\\u2028`):
+    control and format characters, line and paragraph separators, lone surrogates. Key names and values of an
+    input file reach a comment of the output, and a line break there would turn the rest of the name into YAML."""
+    return "".join(c if unicodedata.category(c) not in _UNSAFE else ascii(c)[1:-1] for c in text)
+
+
+_UNSAFE = {"Cc", "Cf", "Zl", "Zp", "Cs"}  # YAML's line breaks (\n \r \x85 \u2028 \u2029) are all among them
 
 
 def convert(path: str | Path, deepspeed: str | Path | None = None, source: str | None = None) -> Conversion:
@@ -64,9 +77,10 @@ def convert(path: str | Path, deepspeed: str | Path | None = None, source: str |
         if deepspeed is not None:
             raise ConfigError(f"{path} is a DeepSpeed JSON; give the TrainingArguments first, then it")
         flat, deepspeed = {}, path  # a DeepSpeed JSON alone
-    conversion = Conversion(source)
+    conversion = Conversion(source, inputs=[path])
     targets = _apply(tables.RULES[source], flat, conversion.unmapped)
     if deepspeed is not None:
+        conversion.inputs.append(Path(deepspeed))
         ds_flat = {k: v for k, v in flatten(_read(Path(deepspeed))).items() if v != "auto"}  # auto: from the others
         ds_lines: list[str] = []
         targets.update(_apply(tables.RULES["deepspeed"], ds_flat, ds_lines))
@@ -92,17 +106,19 @@ def _named_deepspeed(path: Path, named: str) -> Path:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if path.suffix == ".json":
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = json.loads(read_utf8(path, "config file"))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-        return data
-    return read_config_file(path)
+    if path.suffix != ".json":
+        return read_config_file(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = json.loads(read_utf8(path, "config file"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON: {e}") from None
+    except RecursionError:  # json reads nesting by recursion
+        raise ConfigError(f"{path}: {TOO_DEEP}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return check_depth(data, path)
 
 
 def detect_format(path: Path, data: dict[str, Any]) -> str:

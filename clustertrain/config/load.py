@@ -42,8 +42,26 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
     _keep_default_model_fields(raw, [key for key, _ in parsed])
     _one_batch_form(raw, [key for key, _ in parsed])
     for key, value in parsed:
+        _seed_default_list(raw, key)
         set_dotted(raw, key, value)
     return validate(raw, checks)
+
+
+def _seed_default_list(raw: dict[str, Any], key: str) -> None:
+    """`--set optim.betas.1=0.98` on a config without optim.betas changes one item of the default pair: a list
+    of values an index reaches is filled in from the default first (a list of sections is replaced whole)."""
+    parts = key.split(".")
+    node: Any = raw
+    default: Any = RunConfig().model_dump()
+    for i, part in enumerate(parts[:-1]):
+        if not isinstance(node, dict) or not isinstance(default, dict) or part not in default:
+            return
+        if parts[i + 1].isdigit():
+            items = default[part]
+            if part not in node and isinstance(items, (list, tuple)) and not any(isinstance(i, dict) for i in items):
+                node[part] = list(items)
+            return
+        node, default = node.setdefault(part, {}), default[part]
 
 
 def _keep_default_model_fields(raw: dict[str, Any], keys: list[str]) -> None:
@@ -83,6 +101,8 @@ def read_config_file(path: Path) -> dict[str, Any]:
         if path.suffix in (".yaml", ".yml"):
             data = load_yaml(text, str(path)) or {}
         elif path.suffix == ".toml":
+            if _DEEP_TOML_KEY.search(text):  # tomllib takes time quadratic in a dotted key's parts: minutes
+                raise ConfigError(f"{path}: {TOO_DEEP}")
             data = tomllib.loads(text)
         else:
             raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .yaml, .yml or .toml")
@@ -92,6 +112,19 @@ def read_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {TOO_DEEP}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return check_depth(data, path)
+
+
+def check_depth(data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """`data`, once no value in it is nested deeper than MAX_DEPTH levels: what reads it later (flattening,
+    validation, dumping) recurses, and a file must not turn that into a RecursionError."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{path}: {TOO_DEEP}")
+        children = value.values() if isinstance(value, dict) else value
+        stack += [(child, depth + 1) for child in children if isinstance(child, (dict, list))]
     return data
 
 
@@ -108,7 +141,11 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def read_utf8(path: Path, what: str) -> str:
-    """A config-like file's text; a file that is not UTF-8 is a one-line ConfigError naming the first bad byte."""
+    """A config-like file's text; a file that is not UTF-8, or past MAX_CONFIG_BYTES, is a one-line ConfigError."""
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:  # the YAML parser reads ~1 MB/s: a 100 MB file would look like a hang
+        raise ConfigError(f"{what} {path} is {size / 2**20:,.0f} MiB; a config is a few KB, and at most "
+                          f"{MAX_CONFIG_BYTES // 2**20} MiB is read")
     data = path.read_bytes()
     try:
         return data.decode("utf-8")
@@ -121,7 +158,10 @@ def read_utf8(path: Path, what: str) -> str:
 # Values that aliases may add to a document, counted as the values they stand for: anchors for a few shared
 # sections fit easily; a "billion laughs" (aliases of aliases) would expand to billions once validated.
 MAX_ALIASED_VALUES = 10_000
-TOO_DEEP = "nested too deeply to read (thousands of levels); a config needs a few"
+MAX_DEPTH = 100
+TOO_DEEP = f"nested too deeply to read (more than {MAX_DEPTH} levels); a config needs a few"
+MAX_CONFIG_BYTES = 4 * 2**20
+_DEEP_TOML_KEY = re.compile(rf"^[ \t]*\[{{0,2}}[ \t]*(?:[^\s.=\[\]]+[ \t]*\.[ \t]*){{{MAX_DEPTH}}}", re.MULTILINE)
 _MERGE = "tag:yaml.org,2002:merge"
 
 
@@ -175,8 +215,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return self.construct_scalar(node) if ":" in str(node.value) else super().construct_yaml_float(node)
 
 
+    def construct_refused(self, node: yaml.Node) -> Any:
+        """Tags beyond text, numbers, booleans, null, lists and mappings (and implicit dates): `!!binary` would
+        turn a path into decoded bytes, `!!set` and `!!omap` a value into something no key takes."""
+        raise RefusedYaml(f"the tag {node.tag.replace('tag:yaml.org,2002:', '!!')} at line "
+                          f"{node.start_mark.line + 1} is not a config value; write plain text, numbers, lists or "
+                          "mappings")
+
+
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _UniqueKeyLoader.construct_yaml_int)
 _UniqueKeyLoader.add_constructor("tag:yaml.org,2002:float", _UniqueKeyLoader.construct_yaml_float)
+for _tag in ("binary", "set", "omap", "pairs"):
+    _UniqueKeyLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _UniqueKeyLoader.construct_refused)
 
 
 class RefusedYaml(ValueError):
@@ -222,8 +272,9 @@ def _index(items: list[Any], part: str, key: str, where: str) -> int:
         raise ConfigError(f"override {key}: {where} is a list; index its items by number, e.g. {where}.0")
     index = int(part)
     if index > len(items):
-        raise ConfigError(f"override {key}: {where} has {len(items)} item(s) here; give an index from 0 to "
-                          f"{len(items)} ({len(items)} appends one)")
+        have = (f"has {len(items)} item(s), index 0 to {len(items) - 1}" if items
+                else "has no items here (an override starts the list; a default one is replaced)")
+        raise ConfigError(f"override {key}: {where} {have}; give one of them, or {len(items)} to append one")
     return index
 
 

@@ -69,6 +69,9 @@ def slurm_time_text(value: Any, minutes: bool) -> Any:
 
 
 MAX_NODES = 100_000  # more than any Slurm cluster has: a larger count is a typo, not a job
+MAX_PER_NODE = 1024  # ranks or GPUs on one node: more than any node has (a typo, or a job that cannot start)
+# slurm.python: a path or command name, as the job script runs it (quoted: nothing in it would expand)
+PYTHON_COMMAND = re.compile(r"[A-Za-z0-9_./+@-]+")
 JOB_NAME_MAX = 200  # squeue and sacct show far less: a longer job name is a mistake, not a label
 
 
@@ -87,9 +90,12 @@ class SlurmConfig(Section):
     partition: str | None = Field(None, description="Partition (--partition); default: the preset's.")
     qos: str | None = Field(None, description="Quality of service (--qos); default: the preset's.")
     nodes: int = Field(1, gt=0, le=MAX_NODES, description=f"Nodes (--nodes), at most {MAX_NODES:,}.")
-    gpus_per_node: int | None = Field(None, ge=0, description="GPUs per node; default: the preset's (0 = CPU only).")
+    gpus_per_node: int | None = Field(
+        None, ge=0, le=MAX_PER_NODE, description="GPUs per node; default: the preset's (0 = CPU only)."
+    )
     tasks_per_node: int | None = Field(
-        None, gt=0, description="Ranks per node; default: one per GPU, or 1 on CPU-only nodes."
+        None, gt=0, le=MAX_PER_NODE, description=f"Ranks per node, at most {MAX_PER_NODE}; default: one per GPU, "
+        "or 1 on CPU-only nodes."
     )
     cpus_per_task: int | None = Field(None, gt=0, description="CPU cores per rank; default: the preset's.")
     time: SlurmTime = Field(
@@ -129,7 +135,10 @@ class SlurmConfig(Section):
     sbatch: dict[str, str | int | bool] = Field(
         default_factory=dict, description="More sbatch options, e.g. {constraint: nvme, mail-type: END}."
     )
-    python: str | None = Field(None, description="Python that runs clustertrain on the nodes; default: the one rendering.")
+    python: str | None = Field(
+        None, description="Python that runs clustertrain on the nodes: a path or command name (no spaces or shell "
+        "characters); default: the one rendering."
+    )
     doctor: bool = Field(
         False, description="Run `clustertrain doctor` as a job step before training (as `slurm submit --doctor` "
         "does): every rank's software, environment, files, matmul speed and links; a failure stops the job before "
@@ -150,6 +159,9 @@ class SlurmConfig(Section):
                 raise ValueError(f"slurm.{name}: values must be one line each: a newline would end the #SBATCH line")
             if v is not None and (c := control_character(v)):
                 raise ValueError(f"slurm.{name}: holds the control character {c!r}; use printable characters only")
+        if self.python is not None and not (PYTHON_COMMAND.fullmatch(self.python) and self.python[0] != "-"):
+            raise ValueError(f"slurm.python = {self.python[:80]!r} cannot be a python command: give its path or name "
+                             "(letters, digits and . _ - + / @), e.g. /opt/venv/bin/python; set arguments elsewhere")
         if self.job_name is not None and len(self.job_name) > JOB_NAME_MAX:
             raise ValueError(f"slurm.job_name: {len(self.job_name):,} characters; at most {JOB_NAME_MAX}")
         for option in self.sbatch:

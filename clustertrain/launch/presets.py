@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from clustertrain.config.load import load_yaml, read_utf8
+from clustertrain.config.slurm_schema import MAX_PER_NODE
 from clustertrain.errors import ConfigError
 
 PRESET_DIR = Path(__file__).parent / "presets"
@@ -66,7 +67,7 @@ class Preset(BaseModel):
     sources: list[str] = Field(default_factory=list, description="Where the values come from.")
     partition: str | None = None
     qos: str | None = None
-    gpus_per_node: int = Field(0, ge=0)
+    gpus_per_node: int = Field(0, ge=0, le=MAX_PER_NODE)
     cpus_per_task: int | None = Field(
         None, gt=0, description="CPU cores per rank; unset: cores_per_node / ranks per node (1 on GPU nodes)."
     )

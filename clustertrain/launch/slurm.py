@@ -9,6 +9,7 @@ quoting rules) and in the body. In environment values, `${NAME}` expands and not
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import sys
@@ -31,6 +32,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_
 # (clustertrain.distributed.init names the file), so a hang names the collective and the rank that stalled.
 GPU_ENV = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+COUNTED_CPUS = "${cpus_per_task}"  # the node's cores / its ranks, counted by the job script (templates/cpu-count.sh)
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -65,7 +67,7 @@ def job_spec(slurm: SlurmConfig, preset: Preset | None = None) -> JobSpec:
         cpus = max(1, preset.cores_per_node // tasks)
     if cpus is None and gpus:
         cpus = 1  # a GPU rank's threads only feed its GPU
-    env = {**OFFLINE_ENV, **(GPU_ENV if gpus else {}), "OMP_NUM_THREADS": str(cpus) if cpus else "${cpus_per_task}"}
+    env = {**OFFLINE_ENV, **(GPU_ENV if gpus else {}), "OMP_NUM_THREADS": str(cpus) if cpus else COUNTED_CPUS}
     if preset.scratch:
         env |= {"CLUSTERTRAIN_CACHE": f"{preset.scratch}/clustertrain", "HF_HOME": f"{preset.scratch}/huggingface"}
     return JobSpec(
@@ -148,8 +150,19 @@ def _fill(template: str, **values: object) -> str:
 
 def environment_lines(slurm: SlurmConfig) -> str:
     """The module loads, exports and setup lines a job script of `slurm` runs before its ranks start: for an
-    interactive allocation (`clustertrain env CONFIG`, then `eval` it), the same as the script's."""
-    return _environment(job_spec(slurm)) + "\n"
+    interactive allocation (`clustertrain env CONFIG`, then `eval` it), the same as the script's.
+
+    Only the job script counts a CPU-only node's cores (`cpus_per_task`); here OMP_NUM_THREADS is the cores
+    Slurm gave this shell's node over its ranks, and left unset outside an allocation, never set empty.
+    """
+    spec = job_spec(slurm)
+    if spec.env.get("OMP_NUM_THREADS") != COUNTED_CPUS:
+        return _environment(spec) + "\n"
+    env = {name: value for name, value in spec.env.items() if name != "OMP_NUM_THREADS"}
+    tasks = spec.tasks_per_node
+    omp = (f"[ -z \"${{SLURM_CPUS_ON_NODE:-}}\" ] || export OMP_NUM_THREADS=$(( SLURM_CPUS_ON_NODE / {tasks} > 1 ? "
+           f"SLURM_CPUS_ON_NODE / {tasks} : 1 ))  # the node's cores / {tasks} rank(s), as the job script counts")
+    return _environment(dataclasses.replace(spec, env=env)) + "\n" + omp + "\n"
 
 
 def _environment(spec: JobSpec) -> str:

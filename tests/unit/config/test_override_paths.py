@@ -29,6 +29,11 @@ def test_an_index_sets_a_value_of_a_list_of_values():
     assert config.lora.target_modules == ["q_proj", "v_proj"]
 
 
+def test_an_index_into_a_default_list_of_values_changes_that_item():
+    assert load_config(None, ["optim.betas.1=0.98"]).optim.betas == (0.9, 0.98)
+    assert load_config(None, ["optim.lr=1e-3", "optim.betas.0=0.8"]).optim.betas == (0.8, 0.95)
+
+
 def test_later_overrides_win_over_earlier_ones_at_any_depth():
     config = load_config(None, ["data.sources=[{path: a.txt}]", "data.sources.0.path=b.txt",
                                 "data.sources=[{path: c.txt}]"])
@@ -36,8 +41,10 @@ def test_later_overrides_win_over_earlier_ones_at_any_depth():
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["data.sources.2.path=x"], "override data.sources.2.path: data.sources has 0 item(s) here; give an index "
-                                "from 0 to 0 (0 appends one)"),
+    (["data.sources.2.path=x"], "override data.sources.2.path: data.sources has no items here (an override starts "
+                                "the list; a default one is replaced); give one of them, or 0 to append one"),
+    (["optim.betas.5=0.9"], "override optim.betas.5: optim.betas has 2 item(s), index 0 to 1; give one of them, or "
+                            "2 to append one"),
     (["data.sources=[{path: a}]", "data.sources.x.path=b"],
      "override data.sources.x.path: data.sources is a list; index its items by number, e.g. data.sources.0"),
     (["optim.betas=[0.9, 0.95]", "optim.betas.0.x=1"], "override optim.betas.0.x: optim.betas.0 is a value, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -34,3 +35,21 @@ def test_a_bad_preset_or_key_is_one_line_and_exit_2(capsys, override, says):
     assert main(["env", f"--set={override}"]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("cpus_on_node, tasks, expected", [(None, 1, "unset"), ("8", 3, "2"), ("2", 4, "1")])
+def test_omp_num_threads_is_the_nodes_cores_in_an_allocation_and_unset_outside_never_empty(
+        capsys, tmp_path, cpus_on_node, tasks, expected):
+    """CPU-only nodes (the generic preset): only the job script counts the cores; `env` exports no value it lacks."""
+    assert main(["env", f"--set=slurm.tasks_per_node={tasks}"]) == 0
+    (tmp_path / "env.sh").write_text(capsys.readouterr().out)
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "SLURM_CPUS_ON_NODE")}
+    result = subprocess.run(["bash", "-c", 'eval "$(cat env.sh)"; echo "${OMP_NUM_THREADS-unset}"'], cwd=tmp_path,
+                            env={**environ, **({"SLURM_CPUS_ON_NODE": cpus_on_node} if cpus_on_node else {})},
+                            capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0 and result.stdout.strip() == expected, result.stderr
+
+
+def test_a_preset_that_knows_its_cores_exports_its_count(capsys):
+    assert main(["env", "--set=slurm.preset=frontier"]) == 0
+    assert "export OMP_NUM_THREADS=7\n" in capsys.readouterr().out

@@ -117,12 +117,40 @@ def test_a_line_break_never_reaches_the_job_script(override, key):
     ("name=" + "x" * 120_000, "name: 120,000 characters is too long for a Slurm job name (at most 200); set "
                               "slurm.job_name, or a shorter name"),
     ('name="run\\x07"', "name holds the control character '\\x07'; use printable characters only"),
-], ids=["1e9-nodes", "long-job-name", "job-name-control-bytes", "long-run-name", "run-name-control-bytes"])
+    ("slurm.tasks_per_node=1000000000", "config error: slurm.tasks_per_node = 1000000000: Input should be less than "
+                                        "or equal to 1024"),
+    ("slurm.python=python -c 'import os; os.system(\"touch MARKER\")'", "config error: slurm.python = 'python -c "
+     "\\'import os; os.system(\"touch MARKER\")\\'' cannot be a python command: give its path or name (letters, "
+     "digits and . _ - + / @), e.g. /opt/venv/bin/python; set arguments elsewhere"),
+], ids=["1e9-nodes", "long-job-name", "job-name-control-bytes", "long-run-name", "run-name-control-bytes",
+        "1e9-tasks-per-node", "python-with-code"])
 def test_slurm_render_refuses_absurd_values_in_one_short_line(override, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["slurm", "render", "--set", override, "-o", "job.sh"]) == 2
     assert capsys.readouterr().err == f"error: {message}\n"  # the key and its limit; not the 120,000 characters
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("target", ["config", "preset"])
+def test_render_output_never_replaces_the_config_or_preset(target, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run.yaml").write_text("slurm:\n  preset: mine.yaml\n")
+    (tmp_path / "mine.yaml").write_text("description: ours\n")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    out = {"config": "run.yaml", "preset": "./mine.yaml"}[target]
+    assert main(["slurm", "render", "run.yaml", "--output", out, "--force"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: --output {out}: that is the input")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_render_output_replaces_an_existing_file_only_with_force(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.sh").write_text("my own script\n")
+    assert main(["slurm", "render", "-o", "job.sh"]) == 2
+    assert capsys.readouterr().err == "error: --output job.sh exists; give another file, or --force to replace it\n"
+    assert (tmp_path / "job.sh").read_text() == "my own script\n"
+    assert main(["slurm", "render", "-o", "job.sh", "--force"]) == 0
+    assert (tmp_path / "job.sh").read_text().startswith("#!/bin/bash")
 
 
 def test_a_users_preset_file(tmp_path):
