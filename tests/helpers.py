@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -186,6 +187,45 @@ def _children_by_parent() -> dict[int, list[int]]:
             ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
             by_parent.setdefault(ppid, []).append(int(stat.parent.name))
     return by_parent
+
+
+class RunProcesses:
+    """Watches the processes of a run that `start` began, while it runs: its session and the sessions its `--nproc`
+    ranks lead, with every process in them (DataLoader workers stay in their rank's). `left()`, after the run
+    exits: those still alive, killed then, so that none outlives the test."""
+
+    def __init__(self, proc: subprocess.Popen | Forked):
+        self.sessions, self.names = {proc.pid}, {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(proc.pid,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, pid: int) -> None:
+        while not self._done.wait(0.02):
+            for p in descendants(pid)[1:]:
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    self.sessions.add(int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[3]))
+                    self.names[p] = Path(f"/proc/{p}/comm").read_text().strip()
+
+    def left(self, grace_s: float = 1.0) -> dict[int, str]:
+        """{pid: name} of the run's processes alive `grace_s` after its exit (a kill takes a moment)."""
+        self._done.set()
+        self._thread.join()
+        deadline, left = time.monotonic() + grace_s, {}
+        while time.monotonic() < deadline:
+            left = {}
+            for stat in Path("/proc").glob("[0-9]*/stat"):
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    fields = stat.read_text().rsplit(")", 1)[1].split()
+                    if int(fields[3]) in self.sessions and fields[0] != "Z":
+                        left[int(stat.parent.name)] = (stat.parent / "comm").read_text().strip()
+            if not left:
+                break
+            time.sleep(0.05)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return left
 
 
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:

@@ -70,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 def keep_exit_code(code: int) -> None:
     """The command has ended and cleaned up with `code`: a SIGTERM until the process is gone ends it at once with
     `code`, not 143. A launcher ends the other ranks once one has exited (srun --kill-on-bad-exit, torchrun), and
-    a rank still unwinding the interpreter then turned the job's exit code (and Slurm's state) into a kill."""
+    a rank still unwinding the interpreter then turned the job's exit code (and Slurm's state) into a kill. What
+    the process started (DataLoader workers) ends with it: os._exit skips their shutdown."""
+    from clustertrain.distributed.spawn import end_descendants
 
     def exit_now(signum: int, frame: object) -> None:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        end_descendants()
         os._exit(code)
 
     signal.signal(signal.SIGTERM, exit_now)

@@ -12,8 +12,10 @@ asynchronous: from pageable memory CUDA copies synchronously, even when asked fo
 
 from __future__ import annotations
 
+import os
 from collections import Counter, deque
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from clustertrain.config.checks import rows_problem
 from clustertrain.data.pack import document_bounds
 from clustertrain.data.plan import DataPlan, spec_changes
 from clustertrain.distributed.collectives import all_gather_objects, rank_device
+from clustertrain.distributed.spawn import die_with_parent
 from clustertrain.errors import ConfigError, DataError, UserError
 
 
@@ -163,5 +166,6 @@ class StreamLoader:
             return iter(dataset)
         workers = min(self.num_workers, len(self.stream_ids))
         ahead = 2 * len(self.stream_ids) // workers  # items are single rows: keep about two batches in flight
+        # A worker dies with its rank, however the rank ends (SIGKILL, os._exit): none lives on, orphaned.
         return iter(DataLoader(dataset, batch_size=None, num_workers=workers, prefetch_factor=max(2, ahead),
-                               collate_fn=lambda item: item))
+                               collate_fn=lambda item: item, worker_init_fn=partial(die_with_parent, os.getpid())))

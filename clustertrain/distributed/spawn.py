@@ -1,10 +1,17 @@
-"""`clustertrain train --nproc N`: start N local ranks of the same command, as torchrun would.
+"""`clustertrain train --nproc N`: start N local ranks of the same command, as torchrun would; and the run's own
+processes, which never outlive it.
 
 Ranks die with their launcher: each starts with a parent-death signal (SIGKILL, see `_rank_setup`) in a
 session (so a process group) of its own, as torchrun's do: the launcher can take a rank down with its
 DataLoader workers, and a terminal's Ctrl-C reaches only the launcher, which forwards it. Stop signals
 are held back in a new rank until it listens for them (clustertrain.distributed.stop.listen_early), so none
-is lost or fatal while Python and torch start.
+is lost or fatal while Python and torch start. Once every rank has ended, the launcher kills what is left of
+each rank's process group (the workers of a rank that was killed).
+
+Under any launcher (torchrun, srun, mpirun, plain python), DataLoader workers die with their rank
+(`die_with_parent`, a parent-death signal), and a process that ends by `os._exit` (the watchdog's hang exit, a
+SIGTERM once the exit code is decided) first kills what it started (`end_descendants`): such an exit skips the
+DataLoader's shutdown, and a worker blocked writing to its result pipe would live on, orphaned.
 """
 
 from __future__ import annotations
@@ -102,6 +109,31 @@ def _rank_setup(launcher: int, libc: ctypes.CDLL | None) -> Callable[[], None]:
     return setup
 
 
+def die_with_parent(parent: int, *_: object) -> None:
+    """In a child of process `parent` (a DataLoader's `worker_init_fn`, with `functools.partial`): die by SIGKILL
+    when the thread that started this process ends, and now if `parent` has ended already. That thread must live
+    as long as the process (the trainer's main thread iterates its loaders)."""
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def end_descendants() -> None:
+    """SIGKILL every process this one started and theirs, read from /proc (nothing where there is none)."""
+    by_parent: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            by_parent.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    tree = list(by_parent.get(os.getpid(), []))
+    for pid in tree:  # grows while it is walked: the whole tree is read before a kill reparents a grandchild
+        tree += by_parent.get(pid, [])
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _libc() -> ctypes.CDLL | None:
     """The C library, for prctl; None where there is no parent-death signal (not Linux)."""
     if not sys.platform.startswith("linux"):
@@ -113,16 +145,17 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def _kill(procs: list[subprocess.Popen], grace_s: float = 0) -> None:
-    """Kill the ranks still running after `grace_s` seconds, each with its process group (DataLoader workers)."""
+    """Kill the ranks still running after `grace_s` seconds, and every rank's process group: the DataLoader
+    workers of a rank killed by a signal live on in it. (A group's id is not another's while a member lives, nor
+    before the pids wrap around.)"""
     deadline = time.monotonic() + grace_s
     # a stopped rank (SIGSTOP, a debugger) cannot act on SIGTERM: no use waiting for it
     while any(p.poll() is None and not _stopped(p.pid) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
@@ -143,6 +176,7 @@ def _wait(procs: list[subprocess.Popen]) -> int:
             _kill(procs, grace_s=30)
             return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as shells say
         if all(c == 0 for c in codes):
+            _kill(procs)
             return 0
         time.sleep(0.1)
 

@@ -15,6 +15,12 @@ report (reading only the heartbeats below them, up to the first live one: a few 
 scale). Every rank exits with HANG_EXIT_CODE, which the Slurm path requeues. A rank whose collective breaks
 because a peer ended for a hang joins it (`join_hang`, from `hang/began.json`), and a rank that died without a
 word (SIGKILL, the OOM killer) is named by its missing heartbeat (`vanished`).
+
+The phase clocks count the time the process ran: when the thread wakes SUSPEND_GAP_S or more later than it asked
+and the process used almost no CPU meanwhile, the process was stopped (Ctrl-Z, `scontrol suspend`, a paused VM),
+and that time does not count. A job stopped as a whole and continued trains on; a rank stopped alone is still
+named by its peers, whose clocks ran. Before it exits, a hung rank ends the processes it started (DataLoader
+workers): `os._exit` skips their shutdown.
 """
 
 from __future__ import annotations
@@ -35,11 +41,13 @@ from typing import Any
 
 from clustertrain.config.schema import WatchdogConfig
 from clustertrain.distributed.env import node_name
+from clustertrain.distributed.spawn import end_descendants
 from clustertrain.files import write_atomic
 from clustertrain.run_dir import RunDir
 
 HANG_EXIT_CODE = 76  # the watchdog ended a hung run: requeue it, it resumes from its last checkpoint
 STALE_BEATS = 2.5  # a heartbeat unchanged for this many periods is stale: its rank is stopped, dead or cut off
+SUSPEND_GAP_S = 2.0  # the thread woke this much later than it asked, the process idle: it was stopped
 VANISHED_WAIT_S = 5.0  # how long rank 0 looks for a dead peer before it reports: launchers end it soon after
 _WAITING_IN = ("/torch/distributed/", "/torch/nn/parallel/", "/torch/autograd/")  # a main thread here waits on peers
 
@@ -59,8 +67,9 @@ class Watchdog:
         self.on_hang, self.nccl = on_hang, nccl
         self.host, self.pid = node_name(), os.getpid()
         self.step_s: deque[float] = deque(maxlen=100)
-        # (name, step, wall-clock start, monotonic start): one tuple, replaced whole, read by the thread
-        self._phase: tuple[str, int, float, float] = ("start-up", 0, time.time(), time.monotonic())
+        self._stopped_s = 0.0  # how long the process was stopped (SIGSTOP, a suspended job): not run time
+        # (name, step, wall-clock start, run-clock start): one tuple, replaced whole, read by the thread
+        self._phase: tuple[str, int, float, float] = ("start-up", 0, time.time(), self._clock())
         self._hang_began = 0.0
         # Heartbeats older than this are an earlier launch's: every rank's watchdog starts after the process group,
         # so after every rank of this launch has started (a few seconds allowed for clocks across hosts).
@@ -76,11 +85,11 @@ class Watchdog:
     # ---- what the main thread says -----------------------------------------------------------------
     def phase(self, name: str, step: int | None = None) -> None:
         """The main thread enters phase `name` (see `timeout`), at `step` if given."""
-        self._phase = (name, self._phase[1] if step is None else step, time.time(), time.monotonic())
+        self._phase = (name, self._phase[1] if step is None else step, time.time(), self._clock())
 
     def step_done(self) -> None:
         """The step phase that began at the last `phase` call ended: its duration feeds the median."""
-        self.step_s.append(time.monotonic() - self._phase[3])
+        self.step_s.append(self._clock() - self._phase[3])
 
     def timeout(self, name: str) -> float | None:
         """Seconds phase `name` may last; None: no limit (rank 0 prepares data and reports on that itself)."""
@@ -108,19 +117,35 @@ class Watchdog:
             self.beating = False
 
     # ---- the thread ----------------------------------------------------------------------------------
+    def _clock(self) -> float:
+        """Seconds the process ran (a monotonic clock less the time it was stopped): what phases are timed by."""
+        return time.monotonic() - self._stopped_s
+
     def _watch(self) -> None:
         period = self.config.heartbeat_s
+        tick = min(1.0, period / 2)
         next_beat = 0.0
-        while not self._stop.wait(min(1.0, period / 2)):
-            now = time.monotonic()
-            if self.beating and now >= next_beat:
+        while True:
+            asked, cpu = time.monotonic(), time.process_time()
+            if self._stop.wait(tick):
+                break
+            self._count_stop(time.monotonic() - asked - tick, time.process_time() - cpu)
+            if self.beating and time.monotonic() >= next_beat:
                 with contextlib.suppress(OSError):  # a full or slow disk must not end the run; a hang will
                     self._beat("running")
-                next_beat = now + period
+                next_beat = time.monotonic() + period
+            now = self._clock()
             name, _, _, started = self._phase
             limit = self.timeout(name)
             if limit is not None and now - started > limit:
                 self._end_hung(f"{now - started:.0f} s in {self._phase_name()} (limit {limit:.0f} s)")
+
+    def _count_stop(self, late_s: float, cpu_s: float) -> None:
+        """The thread woke `late_s` later than it asked, the process having used `cpu_s` of CPU meanwhile: late
+        and idle, the whole process was stopped, and that time is not run time. Only the wait is measured, not the
+        heartbeat's write (a slow disk is no stop); a thread kept from the GIL by a busy main thread uses CPU."""
+        if late_s >= SUSPEND_GAP_S and cpu_s < late_s / 2:
+            self._stopped_s += late_s
 
     def _phase_name(self) -> str:
         name, step, _, _ = self._phase
@@ -190,6 +215,7 @@ class Watchdog:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
+        end_descendants()  # os._exit skips the DataLoader's shutdown: its workers would live on, orphaned
         os._exit(HANG_EXIT_CODE)
 
     def _hung_below(self, watch: _Staleness) -> int | None:
@@ -293,8 +319,9 @@ class _Staleness:
 
 def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int, me: int, why: str
              ) -> dict[str, Any]:
-    """Who is stuck, from every rank's last heartbeat: ranks that stopped beating; else ranks outside a
-    collective while others wait in one; else the ranks behind the others' step; else none (all wait)."""
+    """Who is stuck, from every rank's last heartbeat: ranks that stopped beating (in the step the others wait
+    in, where their heartbeat lags behind it); else ranks outside a collective while others wait in one; else the
+    ranks behind the others' step; else ranks outside any collective; else none (all wait)."""
     missing = [r for r in range(world_size) if r not in beats]
     silent = sorted({*stale, *missing})
     live = {r: b for r, b in beats.items() if r not in silent}
@@ -304,16 +331,19 @@ def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int
     mine = beats.get(me, {})
     if silent:
         stuck = silent
-        what = "; ".join(f"rank {r} ({_host_pid(beats[r])}) stopped beating {_age(beats[r])} s ago, in "
-                         f"{_phase_of(beats[r])}" if r in beats else f"rank {r} never beat" for r in silent)
+        ahead = max(live.values(), key=lambda b: b.get("step", 0), default={})  # where the others wait for it
+        what = "; ".join(_stopped(r, beats[r], ahead) if r in beats else f"rank {r} never beat" for r in silent)
         what += " (stopped, killed, or its node hangs)"
     elif busy and waiting:
         stuck = sorted(busy)
-        what = "; ".join(f"rank {r} ({_host_pid(live[r])}) is stuck in {_phase_of(live[r])} at {live[r]['where']}"
-                         for r in stuck) + f", while {_ranks(waiting)} {_verb(waiting, 'waits', 'wait')} in a collective"
+        what = _stuck_at(live, stuck) + f", while {_ranks(waiting)} {_verb(waiting, 'waits', 'wait')} in a collective"
     elif len(steps) > 1:
         stuck = sorted(r for r, b in live.items() if b.get("step", 0) == min(steps))
-        what = f"{_ranks(stuck)} {_verb(stuck, 'is', 'are')} behind, in step {min(steps)}, the others in step {max(steps)}"
+        what = (f"{_ranks(stuck)} {_verb(stuck, 'is', 'are')} behind, in step {min(steps)}, "
+                f"the others in step {max(steps)}")
+    elif busy:  # a single rank, or every rank stuck outside the collectives (a frozen file system)
+        stuck = sorted(busy)
+        what = _stuck_at(live, stuck) + ", outside any collective"
     else:
         stuck = []
         what = "every rank waits in a collective (a deadlock or a network fault: see the stacks)"
@@ -321,6 +351,20 @@ def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int
     return {"time": time.time(), "line": f"hang: {what}; rank {me} waited {why}; stacks in the run's hang/ folder",
             "stuck_ranks": stuck, "stuck_hosts": hosts, "phase": mine.get("phase"), "step": mine.get("step"),
             "reporter": me}
+
+
+def _stuck_at(live: dict[int, dict[str, Any]], stuck: list[int]) -> str:
+    return "; ".join(f"rank {r} ({_host_pid(live[r])}) is stuck in {_phase_of(live[r])} at {live[r]['where']}"
+                     for r in stuck)
+
+
+def _stopped(rank: int, beat: dict[str, Any], ahead: dict[str, Any]) -> str:
+    """A silent rank, in the step the others wait in when its heartbeat (written every few seconds) lags."""
+    said = f"rank {rank} ({_host_pid(beat)}) stopped beating {_age(beat)} s ago, in "
+    if ahead.get("step", 0) > beat.get("step", 0):  # the others cannot pass a step's collectives without it
+        return (f"{said}{_phase_of(ahead)}, where the others wait for it, after its last heartbeat from "
+                f"{_phase_of(beat)}")
+    return said + _phase_of(beat)
 
 
 def read_beats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:

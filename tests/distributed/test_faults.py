@@ -1,19 +1,28 @@
-"""Faults under real processes: a run that goes NaN, Ctrl-C, signals during start-up, a launcher killed hard.
+"""Faults under real processes: a run that goes NaN, Ctrl-C, signals during start-up, a launcher killed hard; and
+every way a run ends leaves none of its processes (DataLoader workers) behind.
 
 A lost final save is tested with the other failed writes in test_checkpoint.py (RLIMIT_FSIZE).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import alive, children, final_weights, start, train, wait_for_saves, wait_for_step
+from helpers import RunProcesses, alive, children, final_weights, start, train, wait_for_saves, wait_for_step
 
+from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
+from clustertrain.config.schema import DataConfig
+from clustertrain.data.tokenize import train_bpe
+from clustertrain.distributed.faults import FAULT_ENV
+from clustertrain.distributed.watchdog import HANG_EXIT_CODE
+from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import read_jsonl
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
 from clustertrain.train.status import read_status
@@ -99,3 +108,59 @@ def test_ranks_die_with_a_launcher_killed_hard(tmp_path):
     assert not any(alive(pid) for pid in ranks), "orphaned ranks train on"
     assert checkpoints(tmp_path) == []
 
+
+
+@pytest.fixture(scope="module")
+def bad_jsonl(tmp_path_factory):
+    """A JSONL file whose line 21 (stream 0's 21st document, read at step 6) is malformed, and a tokenizer."""
+    root = tmp_path_factory.mktemp("data")
+    lines = [json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) for i in range(400)]
+    (root / "good.jsonl").write_text("\n".join(lines) + "\n")
+    lines[20] = '{"text": 1 2}'
+    (root / "bad.jsonl").write_text("\n".join(lines) + "\n")
+    train_bpe(DataConfig.model_validate({"sources": [{"path": str(root / "good.jsonl")}], "vocab_size": 512}),
+              root / "tokenizer")
+    return root
+
+
+# How each exit path is reached: (ranks, overrides, environment, what the test does once the run is at step 2, the
+# exit code). One rank runs without a launcher, as under torchrun or srun: nothing reaps for it.
+EXIT_PATHS = {
+    "hang-76": (None, ["watchdog.heartbeat_s=0.5", "watchdog.step_timeout_s=2"], {FAULT_ENV: "collective@0:4=600"},
+                None, HANG_EXIT_CODE),
+    "preempted-75": (None, [], {}, "SIGTERM", REQUEUE_EXIT_CODE),
+    "lost-save-74": (None, ["checkpoint.every=4", "checkpoint.on_error=stop"], {}, "a file in the way",
+                     SAVE_FAILED_EXIT_CODE),
+    "diverged-3": (None, [DIVERGING_LR], {}, None, DIVERGED_EXIT_CODE),
+    "user-error-2": (None, ["data.shuffle_buffer=1"], {}, None, 2),
+    "rank-killed": (None, [], {}, "SIGKILL", -signal.SIGKILL),
+    "rank-killed-under-nproc": (2, [], {}, "SIGKILL rank 1", 128 + signal.SIGKILL),
+}
+
+
+@pytest.mark.parametrize("path", EXIT_PATHS)
+def test_every_exit_path_ends_the_run_s_own_processes(tmp_path, path, bad_jsonl, monkeypatch):
+    """A worker blocked on its result pipe would live on, orphaned, where nothing reaps it: after each way a run
+    ends, none of its processes (ranks, DataLoader workers) is left, and the workers did exist."""
+    nproc, overrides, env, action, code = EXIT_PATHS[path]
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    data = [f"data.sources=[{{path: {bad_jsonl / 'bad.jsonl'}}}]",
+            f"data.tokenizer={bad_jsonl / 'tokenizer'}"] if path == "user-error-2" else []
+    proc = start(tmp_path, "train.steps=40", "checkpoint.every=0", "data.num_workers=1", *data, *overrides,
+                 nproc=nproc)
+    processes = RunProcesses(proc)
+    if action:
+        wait_for_step(tmp_path, 2, proc)
+        if action == "a file in the way":  # of the checkpoint at step 4
+            shutil.rmtree(tmp_path / "checkpoints", ignore_errors=True)
+            (tmp_path / "checkpoints").write_text("")
+        else:
+            victim = json.loads(RunDir(tmp_path).heartbeat(1).read_text())["pid"] if nproc else proc.pid
+            os.kill(victim, getattr(signal, action.split()[0]))
+    exit_code = proc.wait(timeout=120)
+    left = processes.left()  # killed as well: the output's pipes close
+    _, stderr = proc.communicate(timeout=30)
+    assert exit_code == code, stderr[-3000:]
+    assert "pt_data_worker" in processes.names.values(), f"no DataLoader worker ran\n{stderr[-3000:]}"
+    assert not left, f"left running after exit {code}: {left}"

@@ -1,4 +1,5 @@
-"""The `--nproc` launcher's hold on its ranks: held-back signals, a parent-death signal, process groups."""
+"""The `--nproc` launcher's hold on its ranks: held-back signals, a parent-death signal, process groups; and a
+process that ends its own children and theirs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from helpers import alive
+from helpers import alive, descendants
 
 from clustertrain.distributed.spawn import _libc, _rank_setup, _wait
 
@@ -58,3 +59,20 @@ def test_the_first_rank_to_fail_decides_and_one_killed_by_a_signal_is_named(caps
     assert _wait([rank(sleeper), rank("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")]) == 137
     assert capsys.readouterr().err == "error: rank 1 was killed by SIGKILL (out of memory? the kernel's OOM killer " \
                                       "sends it: see `dmesg`)\n"
+
+
+def test_a_process_ends_every_process_it_started_and_theirs():
+    """What a rank does before `os._exit` (a hang): its DataLoader workers, and anything they started, end."""
+    code = ("import subprocess, sys\nfrom clustertrain.distributed.spawn import end_descendants\n"
+            "subprocess.Popen(['sh', '-c', 'sleep 60 & sleep 60'])\nsubprocess.Popen(['sleep', '60'])\n"
+            "sys.stdin.readline()\nend_descendants()\nprint('ended', flush=True)\nsys.stdin.readline()")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(started := descendants(parent.pid)[1:]) < 4 and time.monotonic() < deadline:  # sh, 3 sleeps
+        time.sleep(0.02)
+    assert len(started) == 4, started
+    parent.stdin.write("end\n")
+    parent.stdin.flush()
+    assert parent.stdout.readline() == "ended\n"
+    assert not [pid for pid in started if alive(pid)]  # the grandchild too: read before its parent was killed
+    parent.communicate("exit\n", timeout=30)

@@ -1,8 +1,13 @@
-"""The watchdog's rules in-process: phase timeouts, who is stuck from the heartbeats, and staleness by change."""
+"""The watchdog's rules in-process: phase timeouts, who is stuck from the heartbeats, and staleness by change; and
+in a real process stopped past its limit, that the time it did not run does not count."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,10 +25,15 @@ def beat(rank: int, step: int = 7, waiting: bool = True, **extra) -> dict:
 
 @pytest.mark.parametrize("beats, stale, stuck, words", [
     ({0: beat(0), 1: beat(1)}, [1], [1], "rank 1 (host node1, pid 101) stopped beating"),
+    # its heartbeat lags (one every few seconds): it stopped in the step the others wait in, not its beat's
+    ({0: beat(0, step=9), 1: beat(1, step=7)}, [1], [1],
+     "s ago, in step 9, where the others wait for it, after its last heartbeat from step 7"),
     ({0: beat(0)}, [], [1], "rank 1 never beat"),
     ({0: beat(0), 1: beat(1, waiting=False), 2: beat(2)}, [], [1], "while ranks 0, 2 wait in a collective"),
     ({0: beat(0, step=8), 1: beat(1, step=7), 2: beat(2, step=8)}, [], [1], "rank 1 is behind, in step 7"),
     ({0: beat(0), 1: beat(1)}, [], [], "every rank waits in a collective"),
+    ({0: beat(0, waiting=False), 1: beat(1, waiting=False)}, [], [0, 1],  # none in a collective: none is named
+     "rank 1 (host node1, pid 101) is stuck in step 7 at a.py:1 in f, outside any collective"),
 ])
 def test_the_stuck_rank_is_named_from_the_heartbeats(beats, stale, stuck, words):
     world = 3 if 2 in beats else 2
@@ -149,3 +159,42 @@ def test_while_rank_0_still_runs_a_hung_rank_reads_its_heartbeat_alone(tmp_path,
         done.set()
         beater.join()
     assert set(read) == {"rank-00000.json"}, sorted(set(read))
+
+
+# A process that enters step 1 with a 1 s limit, says so, and leaves the step soon after it is continued: well
+# within the limit, if the 3 s it was stopped do not count.
+STOPPED = """
+import sys, time
+from clustertrain.config.schema import WatchdogConfig
+from clustertrain.distributed.watchdog import Watchdog
+from clustertrain.run_dir import RunDir
+dog = Watchdog(WatchdogConfig(heartbeat_s=0.2, step_timeout_s=1), RunDir(sys.argv[1]), 0, 1, on_hang=print)
+dog.phase("step", 1)
+print("in step 1", flush=True)
+sys.stdin.readline()  # the test stops this process, continues it, then writes a line
+time.sleep(0.3)
+dog.close()
+"""
+
+
+def test_the_time_a_process_was_stopped_does_not_count_against_its_phase(tmp_path):
+    """Ctrl-Z, `scontrol suspend`: the watchdog thread wakes late with the process idle; the process ran about
+    0.6 s in its phase, not the 3 s it was stopped."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "in step 1\n"
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(3)
+    os.kill(proc.pid, signal.SIGCONT)
+    stdout, stderr = proc.communicate("go\n", timeout=30)
+    assert proc.returncode == 0, stdout + stderr[-2000:]
+
+
+def test_only_a_late_wake_up_of_an_idle_process_is_a_stop(tmp_path):
+    dog = watchdog(tmp_path)
+    dog._count_stop(late_s=1.0, cpu_s=0.0)  # a late wake-up: the machine is busy
+    dog._count_stop(late_s=30.0, cpu_s=40.0)  # kept from the GIL by a busy main thread: the process ran
+    assert dog._stopped_s == 0
+    dog._count_stop(late_s=300.0, cpu_s=0.5)
+    assert dog._stopped_s == 300
