@@ -204,12 +204,15 @@ class Packer:
         positions: list[int] = []
         tokens: Counter = Counter()
         origin = None
+        too_long = 0  # skipped in a row: more than a whole pass means no example of this stream fits
         while True:
             slot, index, encoded = self._current()
             length = len(encoded.ids) - 1
             if length > self.seq_len:
-                self._too_long(slot, index, length)
+                too_long += 1
+                self._too_long(slot, index, length, too_long > self.cursor.documents())
                 continue
+            too_long = 0
             if len(ids) + length > self.seq_len:
                 break
             if origin is None:
@@ -227,11 +230,19 @@ class Packer:
         as_array = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
         return Sequence(as_array(ids), as_array(labels), as_array(positions), origin, tokens)
 
-    def _too_long(self, slot: int, index: int, length: int) -> None:
+    def _too_long(self, slot: int, index: int, length: int, every: bool) -> None:
+        """Skip (on_bad_data: skip) or refuse an example longer than a row; `every`: a whole pass of the stream
+        found none that fits, so skipping on would never end."""
         if self.on_bad_data == "error":
             raise DataError(
                 f"data source {self.labels[slot]} document {index}: {length + 1} tokens do not fit data.seq_len = "
                 f"{self.seq_len}; raise data.seq_len, or set data.on_bad_data: skip"
+            )
+        if every:
+            raise DataError(
+                f"data source {self.labels[slot]}: none of the {self.cursor.documents():,} examples this stream "
+                f"reads fits data.seq_len = {self.seq_len} (each was skipped, data.on_bad_data: skip), so there is "
+                "nothing to train on; raise data.seq_len"
             )
         self.skipped["longer than seq_len"] += 1
         self.cursor.advance()

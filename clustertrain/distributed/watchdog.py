@@ -42,7 +42,7 @@ from typing import Any
 from clustertrain.config.schema import WatchdogConfig
 from clustertrain.distributed.env import node_name
 from clustertrain.distributed.spawn import end_descendants
-from clustertrain.files import write_atomic
+from clustertrain.files import read_json_object, write_atomic
 from clustertrain.run_dir import RunDir
 
 HANG_EXIT_CODE = 76  # the watchdog ended a hung run: requeue it, it resumes from its last checkpoint
@@ -373,11 +373,10 @@ def read_beats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    """A JSON object from `path`; {} if it is missing, half-read or not an object."""
+    """A JSON object from `path`; {} if it is missing, half-read, not an object or not a regular file (a FIFO or a
+    link to /dev/zero there never blocks the watchdog or fills its memory)."""
     with contextlib.suppress(OSError, ValueError):
-        value = json.loads(path.read_text())
-        if isinstance(value, dict):
-            return value
+        return read_json_object(path)
     return {}
 
 

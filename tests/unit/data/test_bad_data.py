@@ -270,6 +270,10 @@ CASES: dict[str, tuple[dict[str, bytes], list[str], str]] = {
                                    r"'a' \({d}/a\.jsonl\): every one of the \d+ documents .* was skipped"),
     "skip: every text missing": ({"a.jsonl": jsonl(*[{"body": "x"}] * 30)}, ["ON_BAD skip"],
                                  r"'a' \({d}/a\.jsonl\): every one of the \d+ documents .* was skipped"),
+    "skip: every sft example longer than seq_len": (  # the packer skipped them forever
+        {"a.jsonl": jsonl(*[{"prompt": "two " * 100, "completion": "x"}] * 30)}, ["MODE sft", "ON_BAD skip"],
+        r"'a' \({d}/a\.jsonl\): none of the \d+ examples this stream reads fits data\.seq_len = 64 .* raise "
+        r"data\.seq_len$"),
     # -- every text empty: nothing was skipped as bad, whatever on_bad_data says
     "every text empty": ({"a.jsonl": jsonl(*[{"text": ""}] * 30)}, [],
                          (r"'a' \({d}/a\.jsonl\): every one of the \d+ documents this stream reads is empty "

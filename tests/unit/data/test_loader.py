@@ -113,6 +113,31 @@ def test_packed_rows_are_contiguous_text_with_eos_between_documents(corpus):
         assert row[start - 1] == eos, "a document starts right after the previous one's EOS"
 
 
+def test_packed_positions_restart_at_0_right_after_each_eos(corpus):
+    """Under doc masking a row's position ids count its tokens from the row's start and from 0 again right after
+    each EOS (where the next document begins), exactly: shifted by one, a document would attend into the one
+    before it."""
+    plan = make_plan(corpus, seq_len=128, doc_masking=True)
+    batch = StreamLoader(plan, 0, 1).next_batch()
+    expected = positions_after_eos(batch["input_ids"].tolist(), plan.tokenizer.eos_token_id)
+    for row, positions, want in zip(batch["input_ids"].tolist(), batch["position_ids"].tolist(), expected):
+        assert positions == want, row
+    documents = batch["cu_seq_lens"].tolist()
+    assert documents == document_bounds(np.array(expected)).tolist()
+    assert max(row.count(0) for row in expected) >= 3, "some row holds three documents or more"
+
+
+def positions_after_eos(rows: list[list[int]], eos: int) -> list[list[int]]:
+    """Each row's position ids worked out from its tokens alone: 0 at its start and right after each EOS."""
+    out = []
+    for row in rows:
+        positions = [0]
+        for token in row[:-1]:
+            positions.append(0 if token == eos else positions[-1] + 1)
+        out.append(positions)
+    return out
+
+
 def test_token_weighted_mixture_realizes_its_weights(corpus):
     plan = make_plan(corpus, sources=[{"path": str(corpus["a"]), "weight": 3}, {"path": str(corpus["b"])}])
     loader = StreamLoader(plan, 0, 1)
@@ -148,6 +173,9 @@ def test_sft_rows_carry_loss_on_responses_or_on_everything(corpus, tmp_path, los
         assert positions[0] == 0 and (positions == 0).sum() >= 2, "examples restart positions"
 
 
+# Bounded twice: by the packer (a whole pass of examples that do not fit is an error) and by this limit, so that a
+# stream that never reaches the examples that fit (a dropped document) fails with its message instead of hanging.
+@pytest.mark.timeout(60)
 def test_an_sft_example_longer_than_a_row_is_an_error_or_a_counted_skip(corpus, tmp_path):
     path = tmp_path / "long.jsonl"
     with path.open("w") as f:

@@ -92,3 +92,21 @@ def test_one_epoch_is_the_sequences_of_one_pass_with_no_repeat(tmp_path, mode):
     assert {o[4] for o in origins} == {0}  # and stays in the first pass
     more, _ = run(plan, dp_size=2, steps=steps + 2)
     assert any(o[4] == 1 for o in more[-1]["origins"])  # a fuller epoch would have repeated a sample
+
+
+@pytest.mark.parametrize("text_unit", ["line", "file"])
+def test_a_stream_s_epoch_serves_each_of_its_documents_once_then_the_next_begins(tmp_path, text_unit):
+    """Each stream's cursor, walked for as many documents as its slice holds (a bounded loop: a dropped document
+    fails here, it does not hang a test): each document once in epoch 0, the last included, then epoch 1 begins."""
+    plan = plan_of(tmp_path, text_unit, shuffle_buffer=4)
+    for s in range(ROWS):
+        cursor = plan.stream(s, "train").packers[0].cursor
+        order = cursor.orders[0]
+        slice_ = {order.source.index(order.lo + p) for p in range(order.length)}
+        served = []
+        for _ in range(order.length):
+            assert cursor.current_epoch() == 0, f"stream {s}: epoch 1 began after {served}, before all of {slice_}"
+            served.append(cursor.current()[1])
+            cursor.advance()
+        assert sorted(served) == sorted(slice_), f"stream {s} served {served} of {sorted(slice_)} in epoch 0"
+        assert cursor.positions == [[1, 0]], f"stream {s}: at {cursor.positions} after its {order.length} documents"

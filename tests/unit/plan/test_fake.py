@@ -240,7 +240,8 @@ def build_tiny_model():
     """TINY's Llama as transformers builds it (on the meta device): the parameters a plan must count."""
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256, vocab_size=512)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      vocab_size=512)
     with torch.device("meta"):
         return transformers.LlamaForCausalLM(config)
