@@ -1,5 +1,6 @@
 """Files written so that no reader, and no crash, ever sees half of one: the package's one atomic write; and
-the one bounded read of a file someone else may have replaced (a run's status, heartbeats, hang report)."""
+the one open of a file someone else may have replaced (a run's status, heartbeats, hang report, metrics): regular
+files only, never blocking, read whole up to a bound (`read_regular`) or streamed (`open_regular`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import socket
 import stat
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 HOST = socket.gethostname()
 READ_LIMIT = 1 << 20  # bytes: a run's own JSON and stack files are kilobytes; past this a file is not one of them
@@ -47,19 +48,31 @@ def read_regular(path: Path, limit: int = READ_LIMIT) -> bytes:
         OSError: Anything else; its `strerror` says what in a few words ("a FIFO, not a regular file", "larger
             than 1,048,576 bytes", "Too many levels of symbolic links", "Permission denied").
     """
+    chunks, size = [], 0
+    with open_regular(path, limit) as f:
+        while size <= limit and (chunk := f.read(limit + 1 - size)):  # a file still growing stops here too
+            chunks.append(chunk)
+            size += len(chunk)
+    if size > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", str(path))
+    return b"".join(chunks)
+
+
+def open_regular(path: Path, limit: int | None = None) -> BinaryIO:
+    """`path` opened for reading in binary if it is a regular file (of at most `limit` bytes when given), for a
+    file read as a stream (metrics.jsonl, legitimately large). Refuses what `read_regular` refuses, as it does.
+
+    Raises:
+        FileNotFoundError, OSError: As `read_regular`.
+    """
     _check_regular(os.stat(path), path, limit)
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     try:
         _check_regular(os.fstat(fd), path, limit)
-        chunks, size = [], 0
-        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):  # a file still growing stops here too
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
+        return os.fdopen(fd, "rb")
+    except BaseException:
         os.close(fd)
-    if size > limit:
-        raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", str(path))
-    return b"".join(chunks)
+        raise
 
 
 def read_json_object(path: Path, limit: int = READ_LIMIT) -> dict[str, Any]:
@@ -83,9 +96,9 @@ def read_json_object(path: Path, limit: int = READ_LIMIT) -> dict[str, Any]:
     return value
 
 
-def _check_regular(st: os.stat_result, path: Path, limit: int) -> None:
+def _check_regular(st: os.stat_result, path: Path, limit: int | None) -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = next((f"{name}, " for test, name in _NOT_REGULAR if test(st.st_mode)), "")
         raise OSError(errno.EINVAL, f"{kind}not a regular file", str(path))
-    if st.st_size > limit:
+    if limit is not None and st.st_size > limit:
         raise OSError(errno.EFBIG, f"larger than {limit:,} bytes ({st.st_size:,})", str(path))

@@ -18,7 +18,9 @@ import datetime
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
+from clustertrain.cli.screen import CELL_CHARS, cut, printable
 from clustertrain.run_dir import RunDir
 
 
@@ -36,7 +38,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         p.add_argument("--doctor", action="store_true", help="run `clustertrain doctor` on every rank before "
                        "training (sets slurm.doctor); a failure stops the job, its findings in <run_dir>/doctor.json")
         if name == "render":
-            p.add_argument("-o", "--output", help="write the script here instead of printing it")
+            p.add_argument("-o", "--output", help="write the script here instead of printing it; never over the "
+                           "config or preset, nor over an existing file without --force")
+            p.add_argument("--force", action="store_true", help="replace the --output file if it exists")
         else:
             p.add_argument("--scaling", metavar="NODES", help="a scaling study: the same run at each of these node "
                            "counts (e.g. 1,2,4,8), each in <run_dir>/scaling-N<nodes>, with the same global batch")
@@ -96,7 +100,9 @@ def run_render(args: argparse.Namespace) -> int:
         train_args += ["--log-level", args.log_level]
     script = render_script(config, train_args, Path.cwd(), args.config or "the embedded default config")
     if args.output:
-        Path(args.output).write_text(script)
+        from clustertrain.cli.outputs import write_output
+
+        write_output(args.output, script, [p for p in (args.config, config.slurm.preset) if p], args.force, "--output")
         print(f"wrote {args.output}; submit it with: sbatch {args.output}")
     else:
         sys.stdout.write(script)
@@ -149,13 +155,14 @@ def run_scaling(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    """Exit 0, or 1 when status.json or metrics.jsonl is damaged (named on its line, the rest still shown)."""
     from rich.console import Console
     from rich.text import Text
 
     from clustertrain.checkpoint.dcp import latest_checkpoint
-    from clustertrain.errors import LaunchError
+    from clustertrain.errors import DataError, LaunchError
     from clustertrain.train.metrics import format_duration, read_jsonl
-    from clustertrain.train.status import read_status
+    from clustertrain.train.status import load_status
 
     jobs = _jobs()
     run_dir = args.run_dir
@@ -164,23 +171,35 @@ def run_status(args: argparse.Namespace) -> int:
     if not chain and not run.status.exists():
         raise LaunchError(f"{run_dir} has no Slurm job chain ({run.job_chain}) and no status.json; "
                           "is it a run directory?")
-    # Paths stay whole, for copy and paste; no markup: the files' own text (an error, a job id) is shown as it is.
-    console = Console(highlight=False, soft_wrap=True, markup=False)
+    # Paths stay whole, for copy and paste; no markup or emoji codes: the files' own text (an error, a job id) is
+    # shown as it is, but escaped (`printable`) and each value cut to a line (`cut`).
+    console = Console(highlight=False, soft_wrap=True, markup=False, emoji=False)
+    damaged = False
 
     def say(label: str, text: str) -> None:
-        console.print(Text.assemble((label, "bold"), " ", text))
+        console.print(Text.assemble((label, "bold"), " ", printable(text)))
 
     say("run", str(run_dir.resolve()))
     console.print(job_table(jobs.job_rows(chain)))
-    status = read_status(run_dir) or {}
+    try:
+        status = load_status(run_dir) or {}
+    except (OSError, ValueError) as e:  # files.read_regular's OSError says what is wrong in its strerror
+        status, damaged = {}, True
+        say("state", f"unknown: {run.status} is damaged ({cut(getattr(e, 'strerror', None) or e)})")
     if status:
-        detail = status.get("reason") or status.get("error") or ""
-        say("state", f"{status['state']} at step {status.get('step')}/{status.get('total_steps')}"
-                     + (f" ({detail})" if detail else "") + f", {_clock(status.get('time'))}")
+        said = str(status.get("reason") or status.get("error") or "").splitlines()
+        detail = cut(said[0]) + (" …" if len(said) > 1 else "") if said else ""
+        say("state", f"{cut(status['state'], CELL_CHARS)} at step {cut(status.get('step'), CELL_CHARS)}/"
+                     f"{cut(status.get('total_steps'), CELL_CHARS)}" + (f" ({detail})" if detail else "")
+                     + f", {_clock(status.get('time'))}")
     checkpoint = latest_checkpoint(run.checkpoints)
     say("checkpoint", str(checkpoint or "-"))
     metrics = run.metrics
-    records = [r for r in read_jsonl(metrics) if r.get("loss") is not None] if metrics.exists() else []
+    try:
+        records = [r for r in read_jsonl(metrics) if r.get("loss") is not None] if metrics.exists() else []
+    except DataError as e:  # a FIFO, a device, a malformed line: named; the chain and state above still stand
+        records, damaged = [], True
+        say("progress", f"unknown: {cut(e)}")
     total = status.get("total_steps")
     if records and type(total) is int and total > 0 and records[-1]["step"] > 0:
         last = records[-1]
@@ -192,21 +211,24 @@ def run_status(args: argparse.Namespace) -> int:
         say("progress", line)
     started = [e for e in chain if e["event"] == "started"]
     if started:
-        say("log", f"tail -f {run.job_log(started[-1]['job_id'])}")
-    return 0
+        say("log", f"tail -f {cut(run.job_log(started[-1]['job_id']))}")
+    return 1 if damaged else 0
 
 
 def job_table(rows: list[dict]):
     """The job chain (launch.jobs.job_rows) as the table `slurm status` and `status` print: one row per start; the
-    nodes kept off the next start in a last column, when any were."""
+    nodes kept off the next start in a last column, when any were. Each cell is `printable`, cut to CELL_CHARS."""
     from rich.table import Table
+
+    def cell(value: Any) -> str:
+        return printable(cut("" if value is None else value, CELL_CHARS))
 
     excluded = any(row["excluded"] for row in rows)
     table = Table("job", "restart", "state", "started", "ended", "exit", "nodes", *(["excluded"] * excluded), box=None)
     for row in rows:
-        table.add_row(row["job"], str(row["restart"]), str(row["state"]), _clock(row["started"]), _clock(row["ended"]),
-                      "" if row["exit_code"] is None else str(row["exit_code"]), row["nodes"] or "",
-                      *([row["excluded"] or ""] * excluded))
+        table.add_row(cell(row["job"]), cell(row["restart"]), cell(row["state"]), _clock(row["started"]),
+                      _clock(row["ended"]), cell(row["exit_code"]), cell(row["nodes"]),
+                      *([cell(row["excluded"])] * excluded))
     return table
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from clustertrain.cli.screen import CELL_CHARS, LINE_CHARS, cut, printable
 from clustertrain.cli.slurm_cmd import job_table
 from clustertrain.distributed.watchdog import STALE_BEATS
 from clustertrain.files import read_json_object, read_regular
@@ -27,15 +28,10 @@ from clustertrain.run_dir import RunDir
 DEFAULT_PERIOD_S = 10.0  # a heartbeat that does not say its period (period_s)
 SHOWN_RANKS = 16  # more ranks (or stack files) than this: the slowest (the stuck ranks') shown; --json has all
 STACK_LINES = 8  # the innermost lines of the main thread's stack shown per rank
-LINE_CHARS = 300  # a value from a run's file is cut to this many characters on screen
-CELL_CHARS = 40  # a heartbeat's host, state or phase, in the rank table
 ERROR_LINES = 12  # the lines of status.json's error shown
 DAMAGED_SHOWN = 8  # damaged files named, one a line (--json has all)
 STATUS = RunDir(Path()).status.name  # status.json, as `damaged` names it
 CHECKPOINT = re.compile(r"step-(\d+)")  # a complete checkpoint's folder (checkpoint/dcp.py, which imports torch)
-# What a terminal would act on: C0 and C1 controls (ESC starts its sequences), DEL, and Unicode's invisible
-# direction and line controls; shown escaped, as Python writes them.
-CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -185,7 +181,7 @@ def main_thread(text: str, count: int = STACK_LINES) -> dict[str, Any]:
 # ---- show ---------------------------------------------------------------------------------------------------
 def format_report(report: dict[str, Any]) -> list[Any]:
     """The report as lines of text, and the job chain as `slurm status`'s table: each value from a run's file cut to
-    LINE_CHARS (an error to ERROR_LINES lines), and the table's cells `printable` (`run` does the lines')."""
+    LINE_CHARS (an error to ERROR_LINES lines); `run` makes the lines `printable`, `job_table` its cells."""
     run_dir = report["run_dir"]
     out = [f"run       {run_dir}"]
     status = report["status"]
@@ -198,12 +194,12 @@ def format_report(report: dict[str, Any]) -> list[Any]:
         shown = sorted(ranks, key=lambda b: (_step(b), b["rank"]))[:SHOWN_RANKS] if len(ranks) > SHOWN_RANKS else ranks
         out += _rank_table(shown)
         slow = report["slowest"]
-        out.append(f"slowest   rank {_cut(slow['rank'])} on {_cut(slow.get('host', '?'), CELL_CHARS)}: step "
-                   f"{_show(slow.get('step'))}, phase {_cut(slow.get('phase') or '?', CELL_CHARS)}, {_beat_age(slow)}")
+        out.append(f"slowest   rank {cut(slow['rank'])} on {cut(slow.get('host', '?'), CELL_CHARS)}: step "
+                   f"{_show(slow.get('step'))}, phase {cut(slow.get('phase') or '?', CELL_CHARS)}, {_beat_age(slow)}")
     else:
         out.append("ranks     no heartbeats (the watchdog writes them while a run trains)")
     damaged = list(report["damaged"].items())
-    out += [f"{'damaged' if i == 0 else '':<10}{run_dir}/{name}: {_cut(why)}"
+    out += [f"{'damaged' if i == 0 else '':<10}{run_dir}/{name}: {cut(why)}"
             for i, (name, why) in enumerate(damaged[:DAMAGED_SHOWN])]
     if len(damaged) > DAMAGED_SHOWN:
         out.append(f"          ... and {len(damaged) - DAMAGED_SHOWN} more (--json: all)")
@@ -212,26 +208,20 @@ def format_report(report: dict[str, Any]) -> list[Any]:
     jobs = report["jobs"]
     if jobs:
         out.append(f"jobs      {jobs['restarts']} restart(s), {jobs['start_retries']} failed start(s) in a row"
-                   + (f", excluded {_cut(', '.join(jobs['excluded']))}" if jobs["excluded"] else ""))
-        out.append(job_table([{key: printable(_cut(value, CELL_CHARS)) if isinstance(value, str) else value
-                               for key, value in row.items()} for row in jobs["chain"]]))
+                   + (f", excluded {cut(', '.join(jobs['excluded']))}" if jobs["excluded"] else ""))
+        out.append(job_table(jobs["chain"]))
     return out
 
 
-def printable(text: str) -> str:
-    """`text` with what a terminal would act on (CONTROL) written as Python escapes ("\\x1b[2J"): seen, not obeyed."""
-    return CONTROL.sub(lambda m: ascii(m[0])[1:-1], text)
-
-
 def _state_line(status: dict[str, Any], now: float) -> str:
-    line = f"{_cut(status['state'], CELL_CHARS)} at step {_show(status.get('step'))}/{_show(status.get('total_steps'))}"
+    line = f"{cut(status['state'], CELL_CHARS)} at step {_show(status.get('step'))}/{_show(status.get('total_steps'))}"
     if status["state"] == "hung":
         ranks, hosts = status.get("stuck_ranks"), status.get("stuck_hosts")
-        line += f" in {_cut(status.get('phase') or '?', CELL_CHARS)}; stuck rank(s) {_show(ranks)}"
+        line += f" in {cut(status.get('phase') or '?', CELL_CHARS)}; stuck rank(s) {_show(ranks)}"
         line += f" on {_show(hosts)}" if hosts else ""
     elif status.get("reason") or status.get("error"):  # a hang's line is shown with its stacks below
         said = str(status.get("reason") or status.get("error")).splitlines()
-        line += f": {_cut(said[0] if said else '')}"
+        line += f": {cut(said[0] if said else '')}"
     written = _number(status.get("time"))
     return line + (f" ({max(0.0, now - written):.0f} s ago)" if written is not None else "")
 
@@ -242,9 +232,9 @@ def _error_lines(status: dict[str, Any], path: str) -> list[str]:
     if status["state"] == "hung" or not said:
         return []
     lines = str(said).splitlines()
-    out = [f"          {_cut(line)}" for line in lines[1:ERROR_LINES]]
-    cut = len(lines) > ERROR_LINES or any(len(line) > LINE_CHARS for line in lines[:ERROR_LINES])
-    return out + ([f"          ... (cut; see {path})"] if cut else [])
+    out = [f"          {cut(line)}" for line in lines[1:ERROR_LINES]]
+    shortened = len(lines) > ERROR_LINES or any(len(line) > LINE_CHARS for line in lines[:ERROR_LINES])
+    return out + ([f"          ... (cut; see {path})"] if shortened else [])
 
 
 def _no_status(report: dict[str, Any]) -> str:
@@ -261,10 +251,10 @@ def _no_status(report: dict[str, Any]) -> str:
 def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
     rows = [("rank", "host", "state", "step", "phase", "in phase", "last beat", "where")]
     for b in ranks:
-        where = _cut(b.get("where") or "") + (" (waiting in a collective)" if b.get("waiting") is True else "")
-        rows.append((_cut(b["rank"], CELL_CHARS), _cut(b.get("host", "?"), CELL_CHARS),
-                     _cut(b.get("state", "?"), CELL_CHARS), _show(b.get("step"), CELL_CHARS),
-                     _cut(b.get("phase") or "?", CELL_CHARS), _seconds(b["in_phase_s"]), _beat_age(b), where))
+        where = cut(b.get("where") or "") + (" (waiting in a collective)" if b.get("waiting") is True else "")
+        rows.append((cut(b["rank"], CELL_CHARS), cut(b.get("host", "?"), CELL_CHARS),
+                     cut(b.get("state", "?"), CELL_CHARS), _show(b.get("step"), CELL_CHARS),
+                     cut(b.get("phase") or "?", CELL_CHARS), _seconds(b["in_phase_s"]), _beat_age(b), where))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
 
@@ -272,17 +262,17 @@ def _rank_table(ranks: list[dict[str, Any]]) -> list[str]:
 def _hang_lines(hang: dict[str, Any], hang_dir: Path, now: float) -> list[str]:
     report = hang["report"] or {}
     when = _number(report.get("time"))
-    out = [f"hang      {_cut(report.get('line') or 'stacks in hang/ (no readable report.json)')}"
+    out = [f"hang      {cut(report.get('line') or 'stacks in hang/ (no readable report.json)')}"
            + (f" ({max(0.0, now - when):.0f} s ago)" if when is not None else "")]
     stuck = report.get("stuck_ranks") if isinstance(report.get("stuck_ranks"), list) else []
     stuck_files = {f"rank-{r:05d}.txt" for r in stuck if type(r) is int}
     names = sorted(hang["stacks"], key=lambda n: n not in stuck_files)
     for name in names[:SHOWN_RANKS]:
         stack = hang["stacks"][name]
-        out.append(f"  {hang_dir}/{name}" + (f": {_cut(stack['why'])}" if stack["why"] else ""))
-        out += [f"    {_cut(stack['thread'])}"] if stack["thread"] else []
+        out.append(f"  {hang_dir}/{name}" + (f": {cut(stack['why'])}" if stack["why"] else ""))
+        out += [f"    {cut(stack['thread'])}"] if stack["thread"] else []
         out += [f"      ... {stack['more']} more line(s)"] if stack["more"] else []
-        out += [f"    {_cut(line)}" for line in stack["lines"]]
+        out += [f"    {cut(line)}" for line in stack["lines"]]
     if len(names) > SHOWN_RANKS:
         out.append(f"  ... {len(names) - SHOWN_RANKS} more stack file(s) in {hang_dir} (--json: all)")
     return out
@@ -291,11 +281,6 @@ def _hang_lines(hang: dict[str, Any], hang_dir: Path, now: float) -> list[str]:
 def _why(error: Exception) -> str:
     """What is wrong with a run's file, from files.read_regular's OSError or read_json_object's ValueError."""
     return (error.strerror or str(error)) if isinstance(error, OSError) else str(error)
-
-
-def _cut(value: Any, limit: int = LINE_CHARS) -> str:
-    text = str(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _number(value: Any) -> float | None:
@@ -309,8 +294,8 @@ def _step(beat: dict[str, Any]) -> int:
 
 def _show(value: Any, limit: int = LINE_CHARS) -> str:
     if isinstance(value, list):
-        return _cut(", ".join(map(str, value)) or "-", limit)
-    return "?" if value is None else _cut(value, limit)
+        return cut(", ".join(map(str, value)) or "-", limit)
+    return "?" if value is None else cut(value, limit)
 
 
 def _seconds(value: float | None) -> str:

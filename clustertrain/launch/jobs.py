@@ -28,6 +28,7 @@ from clustertrain.distributed.env import expand_hostlist
 from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
 from clustertrain.distributed.watchdog import HANG_EXIT_CODE
 from clustertrain.errors import DataError, LaunchError, UserError
+from clustertrain.files import read_regular
 from clustertrain.launch.slurm import render_script
 from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import json_value
@@ -35,6 +36,7 @@ from clustertrain.train.status import read_status
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 USER_ERROR_EXIT_CODE = UserError.exit_code  # a bad config or a missing file: the user's to fix, never retried
+CHAIN_LIMIT = 16 << 20  # bytes of jobs.jsonl: some 80,000 events, far past any chain's restarts
 
 
 def record(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
@@ -63,11 +65,11 @@ def read_chain(run_dir: Path) -> list[dict[str, Any]]:
             "job_id", or has a field of another type than clustertrain writes.
     """
     path = RunDir(run_dir).job_chain
-    if not path.exists():
-        return []
     try:
-        lines = path.read_bytes().splitlines()
-    except OSError as e:
+        lines = read_regular(path, CHAIN_LIMIT).splitlines()
+    except FileNotFoundError:
+        return []
+    except OSError as e:  # a FIFO or a device there, too large: named, never blocking `status` or a job's end
         raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
     chain = []
     for number, line in enumerate(lines, start=1):

@@ -64,7 +64,7 @@ def run_curves(run_dir: Path, name: str | None = None) -> RunCurves:
     where it did steps again (those after the checkpoint it resumed from), its later record of a step wins.
     A start is the record of `load_mem_gb`, logged at the step the start resumed from."""
     path = RunDir(run_dir).metrics
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():  # a FIFO, a device or a dangling link: read_jsonl names it
         raise DataError(f"{path} does not exist: is {run_dir} a run directory (train.run_dir)?")
     latest: dict[str, dict[int, float]] = {key: {} for _, _, keys in PANELS for key in keys}
     resumes = []

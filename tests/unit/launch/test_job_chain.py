@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import unicodedata
 
 import pytest
+from helpers import run_cli
 
 from clustertrain.cli import main
 
@@ -85,3 +88,43 @@ def test_the_job_steps_of_a_slurm_script_import_no_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+ESCAPES = "\x1b[2J\x1b]0;owned\x07\x9b31m\u202e"  # clear the screen, retitle the window, a C1 CSI, a bidi override
+
+
+def test_status_escapes_what_a_terminal_would_obey_and_cuts_long_values(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")  # a wide terminal: rich would fit a long cell to 80 columns itself
+    job = "7" + ESCAPES
+    chain = [{**event, "job_id": job} for event in CHAIN]
+    chain[1]["nodes"] = "node" + ESCAPES + "n" * (1 << 20)  # 1 MB: under the chain's size cap
+    chain[2].update(outcome="failed" + ESCAPES, excluded="node9" + ESCAPES)
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "jobs.jsonl").write_text("".join(json.dumps(event) + "\n" for event in chain))
+    error = "\n".join(f"line {i} {ESCAPES} " + "x" * 2000 for i in range(300))  # 600 KB
+    (tmp_path / "status.json").write_text(json.dumps(
+        {"state": "failed" + ESCAPES, "step": 4, "total_steps": 10, "error": error}))
+    assert main(["slurm", "status", str(tmp_path)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    shown = [c for c in out if c != "\n" and (unicodedata.category(c) in ("Cc", "Cf") or c in "\u2028\u2029")]
+    assert shown == [], shown
+    seen = ESCAPES.encode("unicode-escape").decode()
+    assert f"state failed{seen} at step 4/10 (line 0 {seen} xxx" in out and "line 1 " not in out  # the first line
+    assert f"log tail -f {tmp_path / 'slurm' / ('7' + seen)}.out\n" in out
+    assert f"node{seen}{'n' * 16}… " in out and f" 7{seen} " in out and f"node9{seen}" in out  # cells: 40 characters
+    lines = out.splitlines()
+    assert len(lines) < 20 and max(map(len, lines)) < 700, (len(lines), max(map(len, lines)))
+
+
+def test_a_fifo_as_status_or_metrics_is_named_and_the_rest_shown(tmp_path):
+    """In a fresh process with a time limit: a blocked read fails the test after 60 s instead of hanging it."""
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "jobs.jsonl").write_text("".join(json.dumps(event) + "\n" for event in CHAIN))
+    for name in ("status.json", "metrics.jsonl"):
+        os.mkfifo(tmp_path / name)
+    result = run_cli("slurm", "status", str(tmp_path), timeout=60)
+    assert (result.returncode, result.stderr) == (1, ""), result.stderr
+    assert f"state unknown: {tmp_path / 'status.json'} is damaged (a FIFO, not a regular file)\n" in result.stdout
+    assert f"progress unknown: {tmp_path / 'metrics.jsonl'}: cannot read it (a FIFO, not a regular file)\n" \
+        in result.stdout
+    assert "node[01-02]" in result.stdout and f"log tail -f {tmp_path / 'slurm' / '7.out'}\n" in result.stdout

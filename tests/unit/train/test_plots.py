@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pytest
+from helpers import run_cli
 
 from clustertrain.cli import main
+from clustertrain.train.metrics import LINE_LIMIT
 from clustertrain.train.plots import run_curves
 
 GOOD = [json.dumps({"step": s, "loss": 5.0 / s, "tokens_per_s": 1000.0, "eta_s": None}) for s in range(1, 5)]
@@ -92,3 +95,22 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(tmp_path, capsy
     assert main(["plot", str(tmp_path), "-o", str(out)]) == 2
     assert capsys.readouterr().err == f"error: cannot write {out} (File exists: {tmp_path / 'metrics.jsonl'}); " \
         "give -o a path you can write\n"
+
+
+def test_a_fifo_or_a_link_to_dev_zero_as_metrics_is_one_line_never_a_hang(tmp_path, capsys):
+    """In a fresh process with a time limit: a blocked read fails the test after 60 s instead of hanging it. The file
+    is streamed (no size cap: a long run's is large), so a line past LINE_LIMIT is named too, in bounded memory."""
+    kinds = {"fifo": (os.mkfifo, "a FIFO"), "zero": (lambda p: p.symlink_to("/dev/zero"), "a character device")}
+    for name, (make, kind) in kinds.items():
+        metrics = tmp_path / name / "metrics.jsonl"
+        metrics.parent.mkdir()
+        make(metrics)
+        result = run_cli("plot", str(metrics.parent), timeout=60)
+        assert (result.returncode, result.stdout) == (2, ""), result.stderr
+        assert result.stderr == f"error: {metrics}: cannot read it ({kind}, not a regular file)\n"
+    long_line = tmp_path / "long" / "metrics.jsonl"
+    long_line.parent.mkdir()
+    long_line.write_text("\n".join(GOOD[:2]) + "\n" + '{"step": 3, "loss": 1.0, "x": "' + "x" * LINE_LIMIT + '"}\n')
+    assert main(["plot", str(long_line.parent)]) == 2
+    assert capsys.readouterr().err == f"error: {long_line}:3: longer than {LINE_LIMIT:,} bytes; metrics.jsonl holds " \
+        "one JSON object per line, a few hundred bytes each\n"
