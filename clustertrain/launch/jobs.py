@@ -36,6 +36,7 @@ from clustertrain.train.status import read_status
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 USER_ERROR_EXIT_CODE = UserError.exit_code  # a bad config or a missing file: the user's to fix, never retried
+SLURM_JOB_ID = re.compile(r"[0-9]{1,20}(?:[_+][0-9]{1,10})?")
 CHAIN_LIMIT = 16 << 20  # bytes of jobs.jsonl: some 80,000 events, far past any chain's restarts
 
 
@@ -342,8 +343,10 @@ def _submit_follow_up(job: str, exclude: list[str]) -> str:
 
 # ---- status -----------------------------------------------------------------------------------------
 def job_states(job_ids: list[str]) -> dict[str, str]:
-    """Slurm's state of each job it still knows (squeue), e.g. {'12': 'RUNNING'}."""
+    """Slurm's state of each job it still knows (squeue), e.g. {'12': 'RUNNING'}. Only ids Slurm could have given
+    (`123`, an array's `123_4`, a het job's `123+0`) are asked about: a tampered chain's id is no argument to it."""
     squeue = shutil.which("squeue")
+    job_ids = [j for j in job_ids if SLURM_JOB_ID.fullmatch(j)]
     if not job_ids or squeue is None:
         return {}
     result = subprocess.run([squeue, "-h", "-j", ",".join(job_ids), "-o", "%i %T"], capture_output=True, text=True)

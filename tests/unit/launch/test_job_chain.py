@@ -14,6 +14,7 @@ import pytest
 from helpers import run_cli
 
 from clustertrain.cli import main
+from clustertrain.launch.jobs import job_states
 
 CHAIN = [
     {"event": "submitted", "time": 1.7e9, "job_id": "7", "script": "/runs/a/slurm/job.sh"},
@@ -128,3 +129,16 @@ def test_a_fifo_as_status_or_metrics_is_named_and_the_rest_shown(tmp_path):
     assert f"progress unknown: {tmp_path / 'metrics.jsonl'}: cannot read it (a FIFO, not a regular file)\n" \
         in result.stdout
     assert "node[01-02]" in result.stdout and f"log tail -f {tmp_path / 'slurm' / '7.out'}\n" in result.stdout
+
+
+def test_squeue_is_asked_only_about_ids_slurm_could_have_given(tmp_path, monkeypatch):
+    """A tampered chain's job id (a 1 MB string, an option) never reaches squeue's command line: it failed with
+    E2BIG there, or would be read as a flag."""
+    asked = tmp_path / "asked"
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.parent.mkdir()
+    squeue.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {asked}\necho "7 RUNNING"\n')
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{squeue.parent}:{os.environ['PATH']}")
+    assert job_states(["7", "8_2", "9+0", "x" * 1_000_000, "--all", "7;rm"]) == {"7": "RUNNING"}
+    assert asked.read_text().split("\n")[:3] == ["-h", "-j", "7,8_2,9+0"]
