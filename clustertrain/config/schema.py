@@ -12,10 +12,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, model_validator
 
+from clustertrain.config.metrics_schema import MetricsConfig
 from clustertrain.config.section import Section
 from clustertrain.config.slurm_schema import SLURM_TIME_FORMS, SlurmConfig, Walltime, walltime_seconds
 from clustertrain.config.strategy import Strategy, read_stage_keys
-from clustertrain.config.tracker_schema import MlflowConfig, WandbConfig
 
 
 class ModelConfig(Section):
@@ -350,26 +350,6 @@ class CheckpointConfig(Section):
         "previous checkpoint is kept either way, and a run's last save must succeed either way: if it fails, the run "
         "fails (exit 74)."
     )
-
-
-class MetricsConfig(Section):
-    log_every: int = Field(10, gt=0, description="Log metrics every N steps (and at the first and last step).")
-    tensorboard: bool = Field(True, description="Also write TensorBoard event files to <run_dir>/tensorboard.")
-    progress: Literal["auto", "bar", "lines", "none"] = Field(
-        "auto", description="auto: a progress bar on a terminal, plain lines otherwise (Slurm logs)."
-    )
-    profile: tuple[int, int] | None = Field(
-        None, description="Profile steps [first, last] (1-based, inclusive) with torch.profiler: a trace per rank in "
-        "<run_dir>/profile/ (open in Perfetto or TensorBoard) and, on CUDA, a memory snapshot "
-        "(open at pytorch.org/memory_viz).",
-    )
-    peak_flops: float | None = Field(
-        None, gt=0, description="Peak FLOP/s per device for MFU; default: known GPUs from a table, CPUs measured."
-    )
-    plan: bool = Field(True, description="Plan the run at its start (`clustertrain plan`: memory per rank, step "
-                       "time) into <run_dir>/plan.json, and print the plan beside what the run measured at its end.")
-    wandb: WandbConfig = Field(default_factory=WandbConfig)
-    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
 
 
 class WatchdogConfig(Section):

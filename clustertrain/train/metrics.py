@@ -22,8 +22,9 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from clustertrain.data.readers import BadData, json_type, parse_object
 from clustertrain.errors import DataError
+from clustertrain.files import open_regular
 from clustertrain.run_dir import RunDir
-from clustertrain.train.trackers import Tracker, tag
+from clustertrain.train.trackers import TrackerThread, tag
 
 _PROGRESS_MODES = ("auto", "bar", "lines", "none")
 
@@ -142,28 +143,39 @@ def _plain(value: Any) -> Any:
     return item() if callable(item) else value
 
 
+LINE_LIMIT = 1 << 20  # bytes of one metrics.jsonl line: a record is a few hundred; past this it is no record
 # Metrics that readers compute with (`plot`, `slurm status`, the run's summary): a number or null in every record.
 _NUMBERS = frozenset(key for key, _ in _FIELDS) | {"tokens", "tokens_per_s_per_rank", "eta_s", "time"}
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Reads a metrics file; a last line cut short (a run killed mid-write: no newline at its end) is dropped.
+    Streamed, line by line, from a regular file only (files.open_regular): a long run's file may be gigabytes, and
+    a FIFO or a link to /dev/zero in its place must neither block nor fill memory.
 
     Raises:
-        DataError: One line naming the file and line: not UTF-8 or not JSON, not an object, a ``step`` that is
-            not a whole number, or a known metric (loss, lr, tokens_per_s, ...) that is not a number or null.
+        DataError: One line naming the file and line: not a regular file, a line over LINE_LIMIT bytes, not UTF-8
+            or not JSON, not an object, a ``step`` that is not a whole number, or a known metric (loss, lr,
+            tokens_per_s, ...) that is not a number or null.
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        with open_regular(path) as f:
+            return _read_records(f, path)
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    lines = data.splitlines()
+
+
+def _read_records(f: IO[bytes], path: Path) -> list[dict[str, Any]]:
     records = []
-    for number, line in enumerate(lines, start=1):
+    for number, line in enumerate(iter(lambda: f.readline(LINE_LIMIT + 1), b""), start=1):
+        if len(line) > LINE_LIMIT:
+            raise DataError(f"{path}:{number}: longer than {LINE_LIMIT:,} bytes; metrics.jsonl holds one JSON object "
+                            "per line, a few hundred bytes each")
         if not line.strip():
             continue
-        cut = number == len(lines) and not data.endswith(b"\n")
+        cut = not line.endswith(b"\n")  # only the last line can lack its newline
+        line = line.removesuffix(b"\n").removesuffix(b"\r")
         where = f"{path}:{number}"
         try:
             text = line.decode("utf-8")
@@ -216,7 +228,8 @@ class MetricsLogger:
         progress: "auto" (a rich bar on a terminal, plain lines otherwise), "bar",
             "lines" or "none" (no progress output; files and ``info`` lines still go out).
         console: Console to print to (default: a BestEffortConsole on stdout).
-        trackers: Open tracker runs (train/trackers.py) that get every number, grouped (`tag`); closed with this.
+        trackers: Trackers (train/trackers.py, each on its own thread) that get every number, grouped (`tag`);
+            closed with this, which waits for them at most their time limit.
     """
 
     def __init__(
@@ -229,7 +242,7 @@ class MetricsLogger:
         tensorboard: bool = True,
         progress: str = "auto",
         console: Console | None = None,
-        trackers: tuple[Tracker, ...] = (),
+        trackers: tuple[TrackerThread, ...] = (),
     ) -> None:
         if progress not in _PROGRESS_MODES:
             raise ValueError(f"progress must be one of {_PROGRESS_MODES}, got {progress!r}")
@@ -319,7 +332,8 @@ class MetricsLogger:
                 self._writer.add_scalar(name, value, global_step=step, walltime=now)
             self._writer.flush()
         for tracker in self.trackers:
-            tracker.log(step, numbers, now)
+            tracker.log(step, numbers, now)  # queued: never waits
+        self._say_trackers()
         if self.mode == "lines":
             self._print(format_line(step, self.total_steps, values, eta))
         elif self._progress is not None:
@@ -349,6 +363,13 @@ class MetricsLogger:
         if self.enabled and not self._closed and level >= logging.getLogger("clustertrain").level:
             self._print(message)
 
+    def _say_trackers(self) -> None:
+        # Where each tracker's run is, once it opened (on its own thread, so at a log call or at the end).
+        for tracker in self.trackers:
+            for line in tracker.said():
+                if logging.INFO >= logging.getLogger("clustertrain").level:
+                    self._print(line)
+
     def _print(self, text: str) -> None:
         # soft_wrap: never hard-wrap at the console width (80 columns when not a terminal).
         self.console.print(text, markup=False, highlight=False, soft_wrap=True)
@@ -366,6 +387,9 @@ class MetricsLogger:
         self._file.close()
         for tracker in self.trackers:
             tracker.close(failed)
+        for tracker in self.trackers:  # together: at most one time limit in all
+            tracker.join()
+        self._say_trackers()
 
     def __enter__(self) -> MetricsLogger:
         return self

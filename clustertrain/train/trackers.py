@@ -3,11 +3,13 @@ starts, every metric as it is logged (named as in TensorBoard: `tag`), and how i
 the same tracker runs: their ids are kept in <run_dir>/trackers.json.
 
     check_trackers(config.metrics)       # before the run: a missing package is one line naming the extra
-    trackers = open_trackers(config.metrics, RunDir(run_dir), config.name, config_yaml, plan)   # rank 0, at start
+    trackers = open_trackers(config.metrics, RunDir(run_dir), config.name, config_yaml, plan, resumed)  # rank 0
     MetricsLogger(..., trackers=trackers)                # logs every number to them, and ends them on close
 
-wandb and mlflow are imported only when enabled. A tracker that fails (a server gone) says so once and is dropped:
-the run trains on, and metrics.jsonl keeps every number.
+Every tracker call (start, log, close) runs off the training thread (`TrackerThread`), within
+metrics.tracker_timeout_s: a tracker that fails, does not answer in time (a server that accepts and never replies)
+or falls behind is dropped with one warning; the run trains on at its speed, its signals reach it, and
+metrics.jsonl keeps every number. wandb and mlflow are imported only when enabled.
 """
 
 from __future__ import annotations
@@ -16,13 +18,17 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import re
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import yaml
 
-from clustertrain.config.schema import MetricsConfig
-from clustertrain.config.tracker_schema import MlflowConfig, WandbConfig
+from clustertrain.config.metrics_schema import MetricsConfig, MlflowConfig, WandbConfig
 from clustertrain.errors import ConfigError
 from clustertrain.run_dir import RunDir
 
@@ -57,35 +63,115 @@ def check_trackers(metrics: MetricsConfig) -> None:
 
 
 class Tracker:
-    """One tracker run: `log` and `close` never raise; the first failure is printed and ends its logging."""
+    """One tracker run, opened by its constructor; its calls may raise or stall: `TrackerThread` runs them."""
 
     key = ""  # its name in trackers.json and in the config (metrics.<key>)
     kind = ""  # its name for people
-    line = ""  # where the run is, for the start lines
-    done = False  # closed, or failed
+    line = ""  # where the run is, said once it has opened
+    id = ""  # its run id, kept in trackers.json
 
     def log(self, step: int, values: dict[str, float], time_s: float) -> None:
-        self._guarded(self._log, step, values, time_s)
+        raise NotImplementedError
 
     def close(self, failed: bool) -> None:
-        self._guarded(self._close, failed)
-        self.done = True
+        raise NotImplementedError
 
-    def _guarded(self, method, *args) -> None:
-        if self.done:
+
+# Calls a tracker may fall behind (one a log step) before it is dropped: minutes of logging every step.
+QUEUE_CALLS = 1000
+
+
+class TrackerThread:
+    """A tracker off the training thread: its start, logs and close run in order on a daemon thread, fed by a
+    bounded queue. The caller never waits, except in `join` at the end, at most `limit_s`.
+
+    A tracker is dropped with one warning when a call fails, when one runs past `limit_s` (seen at the next log
+    or at `join`), or when QUEUE_CALLS calls wait. A stalled call stays in its daemon thread: the process does
+    not wait for it at exit, and the run's signal handlers, on the main thread, still run.
+    """
+
+    def __init__(self, kind: str, opener: Callable[[], Tracker], limit_s: float,
+                 on_open: Callable[[Tracker], None] = lambda tracker: None):
+        self.kind, self.limit_s = kind, limit_s
+        self.dropped = False
+        self._calls: queue.Queue = queue.Queue(QUEUE_CALLS)
+        self._lines: queue.SimpleQueue = queue.SimpleQueue()  # its start line, for the caller to print
+        self._call: tuple[str, float] | None = None  # the call under way: (name, monotonic start)
+        self._closing: float | None = None  # when close() was asked
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, args=(opener, on_open), name=f"{kind} tracker",
+                                        daemon=True)
+        self._thread.start()
+
+    def log(self, step: int, values: dict[str, float], time_s: float) -> None:
+        """Queues one record; never waits."""
+        self._check()
+        self._put(("log", (step, values, time_s)))
+
+    def close(self, failed: bool) -> None:
+        """Queues the end of the tracker run (as failed, with `failed`); `join` waits for it."""
+        self._closing = time.monotonic()
+        self._put(("close", (failed,)))
+
+    def join(self) -> None:
+        """Waits until the closed tracker has done its calls, at most `limit_s` after `close`; drops it past that."""
+        end = (self._closing or time.monotonic()) + self.limit_s
+        while self._thread.is_alive() and not self.dropped and time.monotonic() < end:
+            self._check()
+            self._thread.join(0.05)
+        if self._thread.is_alive():
+            call = self._call
+            self._drop(f"did not answer within {self.limit_s:g}s ({call[0] if call else 'close'})")
+
+    def said(self) -> list[str]:
+        """The lines the tracker has to say since the last call (where its run is, once open)."""
+        lines = []
+        while not self._lines.empty():
+            lines.append(self._lines.get())
+        return lines
+
+    def _put(self, item: tuple) -> None:
+        if self.dropped:
             return
         try:
-            method(*args)
+            self._calls.put_nowait(item)
+        except queue.Full:
+            self._drop(f"fell {QUEUE_CALLS} calls behind")
+
+    def _check(self) -> None:
+        call = self._call
+        if call is not None and time.monotonic() - call[1] > self.limit_s:
+            self._drop(f"did not answer within {self.limit_s:g}s ({call[0]})")
+
+    def _drop(self, why: str) -> None:
+        with self._lock:
+            if self.dropped:
+                return
+            self.dropped = True
+        log.warning("%s %s; the run goes on without it, metrics.jsonl has every number", self.kind, why)
+
+    def _work(self, opener: Callable[[], Tracker], on_open: Callable[[Tracker], None]) -> None:
+        name = "start"
+        try:
+            tracker = self._timed(name, opener)
+            if self.dropped:  # it answered past its limit: already said to be left out
+                return
+            on_open(tracker)
+            self._lines.put(tracker.line)
+            while not self.dropped:
+                name, args = self._calls.get()
+                self._timed(name, getattr(tracker, name), *args)
+                if name == "close":
+                    return
         except Exception as e:  # noqa: BLE001 - a tracker is a copy of metrics.jsonl: never worth a run
-            self.done = True
-            log.warning("%s failed (%s); the run goes on without it, metrics.jsonl has every number", self.kind,
-                        " ".join(str(e).split())[:200])
+            self._drop(("could not start" if name == "start" else "failed") + f" ({' '.join(str(e).split())[:200]})")
 
-    def _log(self, step: int, values: dict[str, float], time_s: float) -> None:
-        raise NotImplementedError
-
-    def _close(self, failed: bool) -> None:
-        raise NotImplementedError
+    def _timed(self, name: str, method: Callable, *args):
+        self._call = (name, time.monotonic())
+        try:
+            return method(*args)
+        finally:
+            self._call = None
 
 
 class WandbRun(Tracker):
@@ -112,10 +198,10 @@ class WandbRun(Tracker):
                      f"{folder / 'wandb'}/offline-run-*)"
                      if settings.mode == "offline" else f"W&B: {self.run.url}")
 
-    def _log(self, step: int, values: dict[str, float], time_s: float) -> None:
+    def log(self, step: int, values: dict[str, float], time_s: float) -> None:
         self.run.log({"step": step, **values})
 
-    def _close(self, failed: bool) -> None:
+    def close(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
 
 
@@ -160,41 +246,47 @@ class MlflowRun(Tracker):
         except Exception:  # noqa: BLE001 - gone (a new store): start a new run
             return None
 
-    def _log(self, step: int, values: dict[str, float], time_s: float) -> None:
+    def log(self, step: int, values: dict[str, float], time_s: float) -> None:
         ms = round(time_s * 1000)
         self.client.log_batch(self.id, metrics=[self._metric(_mlflow_name(k), float(v), ms, step)
                                                 for k, v in values.items()])
 
-    def _close(self, failed: bool) -> None:
+    def close(self, failed: bool) -> None:
         self.client.set_terminated(self.id, "FAILED" if failed else "FINISHED")
 
 
-def open_trackers(metrics: MetricsConfig, files: RunDir, name: str, config_yaml: str, plan: dict | None
-                  ) -> tuple[Tracker, ...]:
-    """The enabled trackers' runs, opened (rank 0, at each start): the one of an earlier start of this run
-    directory continued, its id kept in trackers.json. `config_yaml` is the resolved config; `plan` the run's plan
-    (metrics.plan) or None. A tracker that cannot open says why and is left out."""
+def open_trackers(metrics: MetricsConfig, files: RunDir, name: str, config_yaml: str, plan: dict | None,
+                  resumed: bool = False) -> tuple[TrackerThread, ...]:
+    """The enabled trackers, opening on their threads (rank 0, at each start): the runs of an earlier start of
+    this run directory continued, their ids kept in trackers.json once open. `config_yaml` is the resolved config;
+    `plan` the run's plan (metrics.plan) or None; `resumed`: this start continues a checkpoint, so a tracker with
+    no id to continue says that it starts a new tracker run."""
     config = {**yaml.safe_load(config_yaml), **({"plan": plan} if plan else {})}
     try:
         ids = json.loads(files.trackers.read_text())
+        why = "has no {} run id"
+    except FileNotFoundError:
+        ids, why = {}, "is missing"
     except (OSError, ValueError):
-        ids = {}
-    ids = ids if isinstance(ids, dict) else {}  # a file that is not ours: new tracker runs
-    opened = []
-    for section, run_class in ((metrics.wandb, WandbRun), (metrics.mlflow, MlflowRun)):
-        if not section.enabled:
-            continue
-        try:
-            tracker = run_class(section, files, name, config, ids.get(run_class.key))
-        except Exception as e:  # noqa: BLE001 - as a failed log: the run trains without it
-            log.warning("%s could not start (%s); the run goes on without it", run_class.kind,
-                        " ".join(str(e).split())[:200])
-            continue
-        ids[run_class.key] = tracker.id
-        opened.append(tracker)
-    if opened:
-        files.write(files.trackers, json.dumps(ids, indent=1))
-    return tuple(opened)
+        ids, why = {}, "cannot be read"
+    if not isinstance(ids, dict):  # a file that is not ours: new tracker runs
+        ids, why = {}, "cannot be read"
+    enabled = [(section, run_class) for section, run_class in ((metrics.wandb, WandbRun), (metrics.mlflow, MlflowRun))
+               if section.enabled]
+    new = [run_class.kind for _, run_class in enabled if run_class.key not in ids]
+    if resumed and new:
+        log.warning("%s %s; this resumed run starts a new %s run", files.trackers, why.format(" or ".join(new)),
+                    " and ".join(new))
+    lock = threading.Lock()
+
+    def keep_id(tracker: Tracker) -> None:
+        with lock:  # two trackers may open at once
+            ids[tracker.key] = tracker.id
+            files.write(files.trackers, json.dumps(ids, indent=1))
+
+    return tuple(TrackerThread(run_class.kind,
+                               partial(run_class, section, files, name, config, ids.get(run_class.key)),
+                               metrics.tracker_timeout_s, keep_id) for section, run_class in enabled)
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, str]:

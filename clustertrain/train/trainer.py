@@ -223,12 +223,13 @@ class Trainer:
         self.started = True
         self.stop = self.stop or StopRequests(cfg.walltime_s, cfg.train.walltime_margin)
         config_yaml = self.checkpoints.extras.config_yaml
-        trackers = open_trackers(cfg.metrics, self.files, cfg.name, config_yaml, self.planned) if self.rank0 else ()
+        trackers = (open_trackers(cfg.metrics, self.files, cfg.name, config_yaml, self.planned, resumed is not None)
+                    if self.rank0 else ())
         self.logger = MetricsLogger(self.run_dir, total_steps=self.total_steps, start_step=self.step,
                                     enabled=self.rank0, tensorboard=cfg.metrics.tensorboard,
                                     progress=cfg.metrics.progress, trackers=trackers)
         if self.rank0:
-            for line in [*start_lines(self, resumed), *(tracker.line for tracker in trackers)]:
+            for line in start_lines(self, resumed):
                 self.logger.info(line)
             self.files.write(self.files.config, config_yaml)  # for `data audit`, for people
             if self.planned:

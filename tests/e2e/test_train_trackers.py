@@ -1,17 +1,24 @@
 """A real run with W&B (offline) and MLflow (its local store) and its resume: each tracker holds the config, the plan
 and every metric, read back with the trackers' own formats, and the resume appends to the same tracker runs;
-TensorBoard has the grouped tags and the config as text."""
+TensorBoard has the grouped tags and the config as text. A tracker server that never answers costs the run neither
+its speed nor its stop signals."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
+import socket
+import statistics
 import struct
+import subprocess
+import time
 
 import pytest
 import yaml
-from helpers import train
+from helpers import check_ending, losses, start, train, wait_for_step
 
+from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
 from clustertrain.train.metrics import read_jsonl
 
 pytestmark = pytest.mark.dist  # trains
@@ -113,3 +120,61 @@ def test_wandb_offline_and_mlflow_hold_the_config_plan_and_every_metric_and_a_re
     text = acc.Tensors("config/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert yaml.safe_load("\n".join(line[4:] for line in text.splitlines())) == yaml.safe_load(
         (run / "config.yaml").read_text())
+
+
+@pytest.fixture
+def never_answers():
+    """The URI of an MLflow server that accepts connections and never replies: a listening socket that never
+    accepts (the kernel completes the handshakes), where MLflow's client waits 120 s a request, retried."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_an_mlflow_server_that_never_answers_is_dropped_with_one_warning_and_the_run_keeps_its_speed(
+        tmp_path, never_answers):
+    steps = ("train.steps=300", "train.sample_tokens=0")
+    train(tmp_path / "plain", *steps)
+    result = train(tmp_path / "stalled", *steps, "metrics.mlflow.enabled=true",
+                   f"metrics.mlflow.tracking_uri={never_answers}", "metrics.tracker_timeout_s=2")
+    assert result.stderr == ("warning: MLflow did not answer within 2s (start); the run goes on without it, "
+                             "metrics.jsonl has every number\n")
+    speed = {}
+    for name in ("plain", "stalled"):
+        records = read_jsonl(tmp_path / name / "metrics.jsonl")
+        assert max(losses(tmp_path / name)) == 300
+        # past MLflow's import (on its thread: a second or two of CPU in the first steps, as for any MLflow run)
+        speed[name] = statistics.median(r["tokens_per_s"] for r in records if r["step"] > 150 and "tokens_per_s" in r)
+    assert speed["stalled"] > 0.6 * speed["plain"], speed  # the same but for the noise of a shared machine
+
+
+def test_sigterm_during_a_stalled_tracker_call_saves_and_exits_75_within_30_s(tmp_path, never_answers):
+    limit = 12
+    proc = start(tmp_path, "train.steps=100000", "checkpoint.every=0", "metrics.mlflow.enabled=true",
+                 f"metrics.mlflow.tracking_uri={never_answers}", f"metrics.tracker_timeout_s={limit}", nproc=None)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "run.lock").exists():  # taken before the model is built, and MLflow's start after that
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    locked = time.monotonic()
+    wait_for_step(tmp_path, 2, proc, timeout=60)
+    signalled = time.monotonic()
+    assert signalled - locked < limit  # so MLflow's start is still waiting for its answer
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    took = time.monotonic() - signalled
+    check_ending(tmp_path, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), REQUEUE_EXIT_CODE)
+    assert took < 30, took  # the limit less the seconds from MLflow's start to step 2, and the exit: 13.5 s measured
+    saved = sorted((tmp_path / "checkpoints").glob("step-*"))
+    assert [int(p.name.split("-")[1]) for p in saved] == [max(losses(tmp_path))]
+    assert f"stopped by SIGTERM at step {max(losses(tmp_path))}" in stderr
+    assert stderr.count("MLflow") == 1 and f"MLflow did not answer within {limit}s (start)" in stderr, stderr
+    assert not (tmp_path / "run.lock").exists()
+    # Its resume has no MLflow run to continue (none ever opened: no trackers.json), and says so.
+    result = train(tmp_path, f"train.steps={max(losses(tmp_path)) + 2}", "train.sample_tokens=0",
+                   "metrics.mlflow.enabled=true", f"metrics.mlflow.tracking_uri={never_answers}",
+                   "metrics.tracker_timeout_s=1")
+    assert result.stderr.splitlines() == [
+        f"warning: {tmp_path / 'trackers.json'} is missing; this resumed run starts a new MLflow run",
+        "warning: MLflow did not answer within 1s (start); the run goes on without it, metrics.jsonl has every number"]

@@ -1,20 +1,24 @@
 """The trackers' names for metrics, the one line for a tracker whose package is missing (before anything trains),
-and a tracker that cannot start or fails leaving the run to train without it. Training with them:
+a tracker that cannot start, fails, stalls or falls behind leaving the run to train without it (one warning, the
+caller never waits), and a resume that cannot continue its tracker runs saying so. Training with them:
 tests/e2e/test_train_trackers.py."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from clustertrain.cli import main
 from clustertrain.cli.logs import setup_logging
-from clustertrain.config.schema import MetricsConfig
+from clustertrain.config.metrics_schema import MetricsConfig
 from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import MetricsLogger, read_jsonl
-from clustertrain.train.trackers import Tracker, open_trackers, tag
+from clustertrain.train.trackers import QUEUE_CALLS, Tracker, TrackerThread, open_trackers, tag
 
 
 def test_metrics_are_grouped_train_eval_perf_data():
@@ -49,23 +53,26 @@ def test_the_exit_code_of_a_real_process_is_2_without_a_traceback(tmp_path):
 def test_a_tracker_that_cannot_start_is_left_out_and_the_run_goes_on(tmp_path, capsys):
     setup_logging("info")
     metrics = MetricsConfig(mlflow={"enabled": True, "tracking_uri": "nosuchscheme://nowhere"})
-    assert open_trackers(metrics, RunDir(tmp_path), "run", "optim:\n  lr: 0.001\n", None) == ()
+    (mlflow,) = open_trackers(metrics, RunDir(tmp_path), "run", "optim:\n  lr: 0.001\n", None)
+    mlflow.close(failed=False)
+    mlflow.join()
     out = capsys.readouterr().err
-    assert out.startswith("warning: MLflow could not start (") and out.endswith("the run goes on without it\n")
-    assert not RunDir(tmp_path).trackers.exists()  # no id to continue
+    assert out.startswith("warning: MLflow could not start (") and out.endswith(
+        "the run goes on without it, metrics.jsonl has every number\n") and out.count("\n") == 1, out
+    assert mlflow.dropped and not RunDir(tmp_path).trackers.exists()  # no id to continue
 
 
 class ServerGone(Tracker):
-    key, kind = "gone", "Gone"
+    kind = "Gone"
 
     def __init__(self):
         self.calls = 0
 
-    def _log(self, step, values, time_s):
+    def log(self, step, values, time_s):
         self.calls += 1
         raise ConnectionError("server gone")
 
-    def _close(self, failed):
+    def close(self, failed):
         raise AssertionError("a failed tracker is not called again")
 
 
@@ -73,10 +80,104 @@ class ServerGone(Tracker):
 def test_a_tracker_that_fails_says_so_once_and_the_run_logs_on(tmp_path, capsys, level):
     setup_logging(level)
     gone = ServerGone()
-    with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="none", trackers=(gone,)) as log:
+    with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="none",
+                       trackers=(TrackerThread("Gone", lambda: gone, limit_s=30),)) as log:
         for step in (1, 2, 3):
             log.log(step, {"loss": 1.0 / step})
+            time.sleep(0.05)  # its thread logs, and fails, meanwhile
     assert gone.calls == 1
     said = "warning: Gone failed (server gone); the run goes on without it, metrics.jsonl has every number\n"
     assert capsys.readouterr().err == (said if level == "info" else "")  # --log-level error: errors only
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+class Stalled(Tracker):
+    """A tracker whose server stops answering at its first log: the call blocks until the test ends."""
+
+    kind, line = "Stalled", "Stalled: run 7"
+
+    def __init__(self):
+        self.logged, self.answer = [], threading.Event()
+
+    def log(self, step, values, time_s):
+        self.logged.append(step)
+        self.answer.wait()
+
+    def close(self, failed):
+        raise AssertionError("a dropped tracker is not called again")
+
+
+def test_a_tracker_whose_log_blocks_never_blocks_the_caller_and_is_dropped_past_its_limit(tmp_path, capsys):
+    setup_logging("info")
+    stalled = Stalled()
+    thread = TrackerThread("Stalled", lambda: stalled, limit_s=0.5)
+    try:
+        with MetricsLogger(tmp_path, total_steps=30, tensorboard=False, progress="lines",
+                           trackers=(thread,)) as log:
+            waited = []
+            for step in range(1, 31):
+                began = time.monotonic()
+                log.log(step, {"loss": 1.0})
+                waited.append(time.monotonic() - began)
+                time.sleep(0.05)  # 1.5 s of steps: the limit passes at about step 10
+            assert thread.dropped  # before the end of the run, not only at close
+            began = time.monotonic()
+        closed_in = time.monotonic() - began
+    finally:
+        stalled.answer.set()
+    assert max(waited) < 0.25 and closed_in < 0.25, (waited, closed_in)
+    assert stalled.logged == [1]  # the one call that never answered
+    out = capsys.readouterr()
+    assert out.err == ("warning: Stalled did not answer within 0.5s (log); the run goes on without it, "
+                       "metrics.jsonl has every number\n")
+    assert "Stalled: run 7" in out.out  # its start line, said by the caller once it had opened
+    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 30
+
+
+def test_a_tracker_that_falls_behind_is_dropped_and_the_closing_wait_is_bounded(capsys):
+    setup_logging("info")
+    stalled = Stalled()
+    thread = TrackerThread("Stalled", lambda: stalled, limit_s=60)
+    try:
+        began = time.monotonic()
+        for step in range(1, QUEUE_CALLS + 3):  # one in the call that blocks, QUEUE_CALLS waiting, one too many
+            thread.log(step, {"train/loss": 1.0}, 0.0)
+        thread.close(failed=False)
+        thread.join()
+        assert time.monotonic() - began < 5
+    finally:
+        stalled.answer.set()
+    assert capsys.readouterr().err == (f"warning: Stalled fell {QUEUE_CALLS} calls behind; the run goes on without "
+                                       "it, metrics.jsonl has every number\n")
+    closing = Stalled()
+    closing.close = lambda failed: closing.answer.wait()  # a close that never answers: waited for at most 0.5 s
+    thread = TrackerThread("Stalled", lambda: closing, limit_s=0.5)
+    try:
+        began = time.monotonic()
+        thread.close(failed=False)
+        thread.join()
+        assert 0.4 < time.monotonic() - began < 2
+    finally:
+        closing.answer.set()
+    assert capsys.readouterr().err.startswith("warning: Stalled did not answer within 0.5s (close); the run goes on")
+
+
+@pytest.mark.parametrize("ids", [None, "{}", "not json", '{"mlflow": "found"}'])
+def test_a_resume_that_cannot_continue_its_tracker_run_says_it_starts_a_new_one(tmp_path, capsys, ids):
+    setup_logging("info")
+    files = RunDir(tmp_path)
+    if ids is not None:
+        files.trackers.write_text(ids)
+    metrics = MetricsConfig(mlflow={"enabled": True})
+    said = {}
+    for resumed in (False, True):
+        (mlflow,) = open_trackers(metrics, files, "run", "optim:\n  lr: 0.001\n", None, resumed=resumed)
+        if resumed:
+            said = capsys.readouterr().err  # at once, before it opened
+        mlflow.close(failed=False)
+        mlflow.join()
+        assert not mlflow.dropped
+        files.trackers.write_text(ids or "") if ids is not None else files.trackers.unlink()
+    why = {None: "is missing", "{}": "has no MLflow run id", "not json": "cannot be read"}
+    assert said == (f"warning: {files.trackers} {why[ids]}; this resumed run starts a new MLflow run\n"
+                    if ids in why else "")  # a first start, or an id to continue (gone: a new run too), says nothing
