@@ -30,6 +30,7 @@ import yaml
 
 from clustertrain.config.metrics_schema import MetricsConfig, MlflowConfig, WandbConfig
 from clustertrain.errors import ConfigError
+from clustertrain.files import read_json_object
 from clustertrain.run_dir import RunDir
 
 log = logging.getLogger(__name__)
@@ -263,13 +264,11 @@ def open_trackers(metrics: MetricsConfig, files: RunDir, name: str, config_yaml:
     no id to continue says that it starts a new tracker run."""
     config = {**yaml.safe_load(config_yaml), **({"plan": plan} if plan else {})}
     try:
-        ids = json.loads(files.trackers.read_text())
+        ids = read_json_object(files.trackers)
         why = "has no {} run id"
     except FileNotFoundError:
         ids, why = {}, "is missing"
-    except (OSError, ValueError):
-        ids, why = {}, "cannot be read"
-    if not isinstance(ids, dict):  # a file that is not ours: new tracker runs
+    except (OSError, ValueError):  # a file that is not ours (not an object, a FIFO): new tracker runs
         ids, why = {}, "cannot be read"
     enabled = [(section, run_class) for section, run_class in ((metrics.wandb, WandbRun), (metrics.mlflow, MlflowRun))
                if section.enabled]
