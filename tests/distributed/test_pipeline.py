@@ -92,7 +92,8 @@ def test_pipeline_fp16_scales_the_loss_and_tracks_fp32(runs):
     reference, got = losses(runs["single"]), losses(runs["pp2_fp16"])
     for step in range(1, 5):
         assert got[step] == pytest.approx(reference[step], rel=2e-2), f"step {step}"
-    assert got[1] != reference[1], "half-precision compute should not be bit-identical to fp32"
+    # fp16 rounding of a tiny model's first loss can vanish below fp32's resolution; over 4 steps it cannot
+    assert got != reference, "half-precision compute should not be bit-identical to fp32"
     scales = [r["loss_scale"] for r in read_jsonl(runs["pp2_fp16"] / "metrics.jsonl") if "loss" in r]
     assert len(scales) == 4 and scales[0] == 2.0**16
 
