@@ -36,6 +36,7 @@ from clustertrain.train.status import read_status
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
 USER_ERROR_EXIT_CODE = UserError.exit_code  # a bad config or a missing file: the user's to fix, never retried
+SQUEUE_TIMEOUT_S = 10.0  # squeue retries an unreachable controller for about 9 s, then fails
 SLURM_JOB_ID = re.compile(r"[0-9]{1,20}(?:[_+][0-9]{1,10})?")
 CHAIN_LIMIT = 16 << 20  # bytes of jobs.jsonl: some 80,000 events, far past any chain's restarts
 
@@ -349,7 +350,11 @@ def job_states(job_ids: list[str]) -> dict[str, str]:
     job_ids = [j for j in job_ids if SLURM_JOB_ID.fullmatch(j)]
     if not job_ids or squeue is None:
         return {}
-    result = subprocess.run([squeue, "-h", "-j", ",".join(job_ids), "-o", "%i %T"], capture_output=True, text=True)
+    try:
+        result = subprocess.run([squeue, "-h", "-j", ",".join(job_ids), "-o", "%i %T"], capture_output=True,
+                                text=True, timeout=SQUEUE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # a controller down or swamped: the recorded outcomes stand
+        return {}
     return dict(line.split(None, 1) for line in result.stdout.splitlines() if line.strip())
 
 

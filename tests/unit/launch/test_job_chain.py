@@ -8,12 +8,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 import unicodedata
 
 import pytest
 from helpers import run_cli
 
 from clustertrain.cli import main
+from clustertrain.launch import jobs
 from clustertrain.launch.jobs import job_states
 
 CHAIN = [
@@ -142,3 +144,16 @@ def test_squeue_is_asked_only_about_ids_slurm_could_have_given(tmp_path, monkeyp
     monkeypatch.setenv("PATH", f"{squeue.parent}:{os.environ['PATH']}")
     assert job_states(["7", "8_2", "9+0", "x" * 1_000_000, "--all", "7;rm"]) == {"7": "RUNNING"}
     assert asked.read_text().split("\n")[:3] == ["-h", "-j", "7,8_2,9+0"]
+
+
+def test_a_squeue_that_does_not_answer_leaves_the_recorded_states(tmp_path, monkeypatch):
+    """A Slurm controller that is down or swamped never holds `status` or a job's end past the limit."""
+    squeue = tmp_path / "bin" / "squeue"
+    squeue.parent.mkdir()
+    squeue.write_text("#!/bin/sh\nexec sleep 60\n")
+    squeue.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{squeue.parent}:{os.environ['PATH']}")
+    monkeypatch.setattr(jobs, "SQUEUE_TIMEOUT_S", 0.5)
+    started = time.monotonic()
+    assert jobs.job_states(["7"]) == {}
+    assert time.monotonic() - started < 5
