@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     code = _main(argv)
     if argv is None:  # the process's own command: its exit code is decided
         keep_exit_code(code)
+        trackers = sys.modules.get("clustertrain.train.trackers")
+        if trackers is not None and trackers.stalled():  # see trackers.stalled: the shutdown could abort
+            _exit_now(code)
     return code
 
 
@@ -72,16 +75,18 @@ def keep_exit_code(code: int) -> None:
     `code`, not 143. A launcher ends the other ranks once one has exited (srun --kill-on-bad-exit, torchrun), and
     a rank still unwinding the interpreter then turned the job's exit code (and Slurm's state) into a kill. What
     the process started (DataLoader workers) ends with it: os._exit skips their shutdown."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: _exit_now(code))
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code` at once, after its output and what it started (os._exit skips both)."""
     from clustertrain.distributed.spawn import end_descendants
 
-    def exit_now(signum: int, frame: object) -> None:
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        end_descendants()
-        os._exit(code)
-
-    signal.signal(signal.SIGTERM, exit_now)
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    end_descendants()
+    os._exit(code)
 
 
 def _main(argv: list[str] | None) -> int:

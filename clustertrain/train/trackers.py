@@ -22,6 +22,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -78,8 +79,17 @@ class Tracker:
         raise NotImplementedError
 
 
+_STARTED: weakref.WeakSet[TrackerThread] = weakref.WeakSet()  # every TrackerThread of this process
+
 # Calls a tracker may fall behind (one a log step) before it is dropped: minutes of logging every step.
 QUEUE_CALLS = 1000
+
+
+def stalled() -> bool:
+    """Whether a dropped tracker's thread is still inside its call. The interpreter's shutdown would end that daemon
+    thread wherever it is, and inside a library's C++ code that aborts the process ("FATAL: exception not
+    rethrown", exit -6) after the run has ended well: a process with one ends by os._exit instead."""
+    return any(t.dropped and t._thread.is_alive() for t in _STARTED)
 
 
 class TrackerThread:
@@ -103,6 +113,7 @@ class TrackerThread:
         self._thread = threading.Thread(target=self._work, args=(opener, on_open), name=f"{kind} tracker",
                                         daemon=True)
         self._thread.start()
+        _STARTED.add(self)
 
     def log(self, step: int, values: dict[str, float], time_s: float) -> None:
         """Queues one record; never waits."""

@@ -181,3 +181,17 @@ def test_a_resume_that_cannot_continue_its_tracker_run_says_it_starts_a_new_one(
     why = {None: "is missing", "{}": "has no MLflow run id", "not json": "cannot be read"}
     assert said == (f"warning: {files.trackers} {why[ids]}; this resumed run starts a new MLflow run\n"
                     if ids in why else "")  # a first start, or an id to continue (gone: a new run too), says nothing
+
+
+@pytest.mark.parametrize("stalls", [True, False])
+def test_a_process_whose_dropped_tracker_is_still_in_its_call_ends_without_the_interpreter_s_shutdown(stalls):
+    """The shutdown would end the stalled daemon thread wherever it is: inside a library's C++ code that aborted a
+    finished run (exit -6, "FATAL: exception not rethrown"). Such a process ends by os._exit with its code, which
+    skips the shutdown (and its atexit handlers); one without a stalled tracker shuts down as always."""
+    code = ("import atexit, sys, time\nfrom clustertrain.cli import main\nfrom clustertrain.train import trackers\n"
+            f"thread = trackers.TrackerThread('Stub', lambda: time.sleep({60 if stalls else 0}), 0.5)\n"
+            "thread.close(False)\nthread.join()\natexit.register(lambda: print('shut down'))\n"
+            "sys.argv = ['clustertrain']\nraise SystemExit(main())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert ("shut down" in result.stdout) is not stalls
