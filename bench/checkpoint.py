@@ -57,8 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from clustertrain.checkpoint import dcp as ckpt  # noqa: E402
 from clustertrain.checkpoint.manager import CheckpointManager  # noqa: E402
+from clustertrain.resolve.load import load_checked_config  # noqa: E402
 from clustertrain.run_dir import RunDir  # noqa: E402
-from clustertrain.model.spec import load_checked_config  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 DESCRIPTION = "checkpoint save MB/s against the disk's sequential write speed, and async vs sync blocking time"
@@ -101,8 +101,8 @@ class BenchManager(CheckpointManager):
         config = trainer.config.checkpoint.model_copy(update={"async_save": async_save, "every": every,
                                                               "keep_last": keep_last})
         own = trainer.checkpoints  # the trainer's manager (or the previous BenchManager): what it saves, and how
-        super().__init__(RunDir(root), config, trainer.total_steps, trainer.device, own.extras, trainer.logger.info)
-        self.tracked = own.tracked
+        super().__init__(RunDir(root), config, trainer.total_steps, trainer.place.device, own.extras, own.tracked,
+                         log=trainer.logger.info)
         self.round_start = 0
         self.in_save = False
         self.wait_prev_s: list[float] = []   # save() waiting for the previous (async) save and committing it
@@ -196,9 +196,9 @@ def counting_fsync():
 
 def state_bytes(trainer: Trainer) -> tuple[int, int]:
     """Bytes of the model's and the optimizer's tensors."""
-    model = sum(t.numel() * t.element_size() for t in trainer.runner.model.state_dict().values() if torch.is_tensor(t))
+    model = sum(t.numel() * t.element_size() for t in trainer.model.runner.model.state_dict().values() if torch.is_tensor(t))
     optim = 0
-    for per_param in (state for o in trainer.optimizer.optimizers for state in o.state.values()):
+    for per_param in (state for o in trainer.optim.optimizer.optimizers for state in o.state.values()):
         optim += sum(t.numel() * t.element_size() for t in per_param.values() if torch.is_tensor(t))
     return model, optim
 
@@ -306,8 +306,8 @@ def part2(trainer: Trainer, root: Path, args: argparse.Namespace, ref_distcp: in
             sync_fs()
             start = time.perf_counter()
             trainer.train_steps(args.steps)
-            if trainer.device.type == "cuda":
-                torch.cuda.synchronize(trainer.device)
+            if trainer.place.device.type == "cuda":
+                torch.cuda.synchronize(trainer.place.device)
             elapsed = time.perf_counter() - start
             m.finalize()  # drain: the last async save is written and committed
             drain = sum(m.drain_s[n_drain:])
@@ -417,12 +417,12 @@ def main(argv: list[str] | None = None) -> int:
             trainer.start(None)
         trainer.train_steps(args.warmup)  # the optimizer state exists from here on
         model_b, optim_b = state_bytes(trainer)
-        hf = trainer.runner.model.config
-        print(f"model: {cfg.model.arch} {trainer.params['total'] / 1e6:.2f}M params (hidden "
+        hf = trainer.model.runner.model.config
+        print(f"model: {cfg.model.arch} {trainer.model.params['total'] / 1e6:.2f}M params (hidden "
               f"{getattr(hf, 'hidden_size', '?')}, {getattr(hf, 'num_hidden_layers', '?')} layers, vocab "
               f"{hf.vocab_size}); state: model {model_b / MB:.1f} MB + AdamW {optim_b / MB:.1f} MB = "
               f"{(model_b + optim_b) / MB:.1f} MB")
-        print(f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} | device {trainer.device.type}, "
+        print(f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} | device {trainer.place.device.type}, "
               f"{torch.get_num_threads()} threads | torch {torch.__version__} | built + {args.warmup} warmup steps "
               f"in {time.perf_counter() - t0:.1f}s")
         print(f"writing under {root} ({fs_type(root)})")

@@ -66,7 +66,7 @@ from clustertrain.data.mixture import window_permutation  # noqa: E402
 from clustertrain.data.plan import DataPlan  # noqa: E402
 from clustertrain.data.sources import stdlib_files  # noqa: E402
 from clustertrain.data.tokenize import cache_root, load_tokenizer, tokenizer_dir  # noqa: E402
-from clustertrain.model.spec import load_checked_config  # noqa: E402
+from clustertrain.resolve.load import load_checked_config  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 DP_SIZE = 2  # the demo's layout: `clustertrain train --nproc 2`
@@ -214,16 +214,16 @@ class TrainerSide:
     def run(self, steps: int) -> None:
         start = time.perf_counter()
         self.t.train_steps(steps)
-        if self.t.device.type == "cuda":
-            torch.cuda.synchronize(self.t.device)
-        self.rates.append(steps * self.t.tokens_per_step / (time.perf_counter() - start))
+        if self.t.place.device.type == "cuda":
+            torch.cuda.synchronize(self.t.place.device)
+        self.rates.append(steps * self.t.config.tokens_per_step / (time.perf_counter() - start))
 
     @property
     def rate(self) -> float:
         return statistics.median(self.rates)
 
     def close(self) -> None:
-        self.t.loader._iterator = None
+        self.t.data.loader._iterator = None
         self.t.close()
 
 

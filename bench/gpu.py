@@ -139,39 +139,42 @@ def say_what_runs(runner: str, **parts: str) -> None:
 
 def run_clustertrain(cfg, steps: int) -> dict:
     """The trainer's real step path; its metrics.jsonl has tokens/s, MFU and memory for every step."""
-    from clustertrain.train.metrics import read_jsonl
+    from clustertrain.model.estimate import peak_flops
+    from clustertrain.parallel.apply import DTYPES
+    from clustertrain.train.metrics import read_metrics
     from clustertrain.train.trainer import Trainer
 
     trainer = Trainer(cfg)
     try:
         trainer.build()
-        model, p = trainer.runner.parts[0], cfg.parallel
-        wrapper = trainer.mesh.layout.wrapper or "none"
+        model, p = trainer.model.runner.parts[0], cfg.parallel
+        wrapper = trainer.place.mesh.layout.wrapper or "none"
         liger = any("Liger" in getattr(m.forward, "__qualname__", "") for m in model.modules())
         say_what_runs(
-            "clustertrain", wrapper=f"{wrapper} ({trainer.mesh.dp_size} data-parallel rank)",
+            "clustertrain", wrapper=f"{wrapper} ({trainer.place.mesh.dp_size} data-parallel rank)",
             precision=(f"FSDP2 {p.param_dtype} params, {p.reduce_dtype} reduce" if wrapper == "fsdp"
-                       else precision(model, getattr(trainer.runner, "autocast_dtype", None))),
-            loss=trainer.loss_kind + (f" ({cfg.train.loss_chunk_tokens} tokens a chunk)"
-                                      if trainer.loss_kind == "chunked" else ""),
-            kernels="liger" if liger else "pytorch", attention=trainer.attention,
+                       else precision(model, getattr(trainer.model.runner, "autocast_dtype", None))),
+            loss=trainer.model.loss_kind + (f" ({cfg.train.loss_chunk_tokens} tokens a chunk)"
+                                      if trainer.model.loss_kind == "chunked" else ""),
+            kernels="liger" if liger else "pytorch", attention=trainer.model.attention,
             compile="blocks and loss" if p.compile else "off",
             clipping=f"global norm {cfg.optim.grad_clip:g}" if cfg.optim.grad_clip else "off",
-            optimizer=f"AdamW {'fused' if trainer.optimizer.param_groups[0].get('fused') else 'foreach'}",
+            optimizer=f"AdamW {'fused' if trainer.optim.optimizer.param_groups[0].get('fused') else 'foreach'}",
             data="the loader's host batch each step, "
-                 + ("pinned, non_blocking copy" if getattr(trainer.loader, "pin_memory", False) else "on CPU"),
+                 + ("pinned, non_blocking copy" if getattr(trainer.data.loader, "pin_memory", False) else "on CPU"),
         )
         trainer.start(None)
         trainer.train_steps(steps)
         trainer.logger.close()
-        records = [r for r in read_jsonl(cfg.run_dir / "metrics.jsonl") if r.get("tokens_per_s") is not None]
+        records = [r for r in read_metrics(cfg.run_dir / "metrics.jsonl") if r.get("tokens_per_s") is not None]
         return {
             "tokens_per_s": [r["tokens_per_s"] for r in records],
             "mfu": [r.get("mfu") for r in records],
             "mem_gb": max(r["mem_gb"] for r in records),
-            "flops_per_token": trainer.flops_per_token,
-            "peak_flops": trainer.peak_flops,
-            "device": trainer.device.type,
+            "flops_per_token": trainer.model.flops_per_token,
+            "peak_flops": trainer.config.metrics.peak_flops or peak_flops(trainer.place.device,
+                                                                          DTYPES[trainer.config.parallel.param_dtype]),
+            "device": trainer.place.device.type,
         }
     finally:
         trainer.close()
@@ -270,7 +273,7 @@ def run_one(args: argparse.Namespace) -> int:
     """Child process: one runner on one workload; the result goes to --result as JSON."""
     import torch
 
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     w = shape(WORKLOADS[args.workload], args.tiny)
     dtype = "bfloat16" if torch.cuda.is_available() else "float32"
@@ -376,33 +379,29 @@ def gpu_of(results: list[dict]) -> dict | None:
 
 
 def make_workload_plan(w: Workload, gpu: dict | None, args: argparse.Namespace):
-    """`clustertrain plan` of the config the clustertrain runner trains, for one rank: on a GPU, the preset of
-    its kind (h100, a100) with its memory and datasheet peak (model.estimate); on the CPU, this CPU's measured
-    peak. Made in this process, which has no process group (the plan makes a fake one)."""
-    from types import SimpleNamespace
-
+    """`clustertrain plan` of the config the clustertrain runner trains, for one rank: on a GPU, its memory and
+    datasheet peak (the hardware catalogue); on the CPU, this CPU's measured peak. Made in this process, which has
+    no process group (the plan makes a fake one)."""
     import torch
 
     from clustertrain.model.estimate import peak_flops_for_name
-    from clustertrain.model.spec import load_checked_config
     from clustertrain.plan.plan import make_plan
-    from clustertrain.plan.target import target_for
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.plan.target import TargetRequest, target_for
+    from clustertrain.resolve.load import load_checked_config
+    from clustertrain.resolve.run import resolve
 
     dtype = "bfloat16" if gpu else "float32"  # as run_one
-    preset = memory_gb = tflops = None
+    memory_gb = tflops = None
     if gpu:
-        name = gpu["name"].upper()
-        preset = "h100" if "H100" in name else "a100" if "A100" in name else None
         memory_gb = gpu["memory_gb"]
         peak = peak_flops_for_name(gpu["name"], torch.bfloat16)
         tflops = peak / 1e12 if peak else None
     with tempfile.TemporaryDirectory(prefix="clustertrain-bench-gpu-") as run_dir, \
             contextlib.redirect_stdout(sys.stderr):  # whatever it says stays out of the tables
         config = load_checked_config(None, overrides(w, dtype, args.steps, args.compile, run_dir, args.overrides))
-        target = target_for(config, SimpleNamespace(world=1, nodes=None, gpus_per_node=1, preset=preset,
-                                                    device_memory=memory_gb, peak_tflops=tflops, efficiency=0.5))
-        run = resolve_run(target.config, target.world, target.device.per_node, "cuda" if gpu else "cpu")
+        target = target_for(config, TargetRequest(world=1, ranks_per_node=1, device_memory_gb=memory_gb,
+                                                  peak_tflops=tflops, efficiency=0.5))
+        run = resolve(target.config, target.world, target.device.per_node, "cuda" if gpu else "cpu")
         return make_plan(run.config, run.layout, target.device.per_node, target.device)
 
 

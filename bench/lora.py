@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from clustertrain.data.tokenize import load_tokenizer
-from clustertrain.model.spec import load_checked_config
+from clustertrain.resolve.load import load_checked_config
 
 DATA = ["data.sources=[{format: stdlib, max_bytes: 2000000}]", "data.vocab_size=4096", "data.seq_len=128"]
 

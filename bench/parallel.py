@@ -165,7 +165,7 @@ def describe_model(base: list[str]) -> str:
     from clustertrain.data.tokenize import load_tokenizer
     from clustertrain.model.build import build_hf_config, build_meta_model
     from clustertrain.model.estimate import count_params
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     cfg = load_checked_config(None, base)
     hf = build_hf_config(cfg.model, load_tokenizer(cfg.data), cfg.data.vocab_size)
@@ -205,9 +205,9 @@ def run_layout(layout: Layout, run_dir: Path, base: list[str], threads: int, tim
         return {"status": "n/a", "wall_s": wall_s, "message": stderr.strip().splitlines()[-1]}
     if proc.returncode:
         return {"status": "failed", "wall_s": wall_s, "exit_code": proc.returncode, "stderr_tail": stderr[-3000:]}
-    from clustertrain.train.metrics import read_jsonl
+    from clustertrain.train.metrics import read_metrics
 
-    steps = sorted((r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("tokens_per_s") is not None),
+    steps = sorted((r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("tokens_per_s") is not None),
                    key=lambda r: r["step"])
     timed = steps[WARMUP_LOGS:]
     return {
@@ -216,7 +216,7 @@ def run_layout(layout: Layout, run_dir: Path, base: list[str], threads: int, tim
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "tokens_per_s_per_rank": statistics.median(r["tokens_per_s_per_rank"] for r in timed),
         "mem_gb": max(r["mem_gb"] for r in steps if r.get("mem_gb") is not None),
-        "load_mem_gb": next((r["load_mem_gb"] for r in read_jsonl(run_dir / "metrics.jsonl") if "load_mem_gb" in r),
+        "load_mem_gb": next((r["load_mem_gb"] for r in read_metrics(run_dir / "metrics.jsonl") if "load_mem_gb" in r),
                             None),
         "last_loss": steps[-1]["loss"],
         "last_step": steps[-1]["step"],

@@ -44,9 +44,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from clustertrain.data.loader import StreamLoader  # noqa: E402
-from clustertrain.model.spec import load_checked_config  # noqa: E402
 from clustertrain.parallel.apply import DTYPES, unwrap  # noqa: E402
-from clustertrain.train.metrics import read_jsonl  # noqa: E402
+from clustertrain.resolve.load import load_checked_config  # noqa: E402
+from clustertrain.train.metrics import read_metrics  # noqa: E402
 from clustertrain.train.trainer import Trainer  # noqa: E402
 
 BAR = 0.97
@@ -87,18 +87,18 @@ class ClustertrainSide:
         """Seconds for `steps` optimizer steps, metrics on their schedule included."""
         start = time.perf_counter()
         self.t.train_steps(steps)
-        if self.t.device.type == "cuda":
-            torch.cuda.synchronize(self.t.device)
+        if self.t.place.device.type == "cuda":
+            torch.cuda.synchronize(self.t.place.device)
         return time.perf_counter() - start
 
     @property
     def last_loss(self) -> float:
-        records = [r for r in read_jsonl(self.t.run_dir / "metrics.jsonl") if r.get("loss") is not None]
+        records = [r for r in read_metrics(self.t.files.metrics) if r.get("loss") is not None]
         return records[-1]["loss"]
 
     def logged_losses(self) -> int:
         """Metrics calls the loop made so far (records with a loss in metrics.jsonl)."""
-        return sum(r.get("loss") is not None for r in read_jsonl(self.t.run_dir / "metrics.jsonl"))
+        return sum(r.get("loss") is not None for r in read_metrics(self.t.files.metrics))
 
 
 class HandWrittenSide:
@@ -110,23 +110,23 @@ class HandWrittenSide:
         from transformers import AutoModelForCausalLM
 
         cfg = trainer.config
-        self.device = trainer.device
+        self.device = trainer.place.device
         self.model = AutoModelForCausalLM.from_config(
-            trainer.runner.model.config, attn_implementation=trainer.runner.model.config._attn_implementation, dtype=torch.float32
+            trainer.model.runner.model.config, attn_implementation=trainer.model.runner.model.config._attn_implementation, dtype=torch.float32
         ).to(self.device)
-        self.model.load_state_dict(full_state(trainer.runner.model))  # the trainer's initial weights
+        self.model.load_state_dict(full_state(trainer.model.runner.model))  # the trainer's initial weights
         self.model.train()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, foreach=True
         )
         self.grad_clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-        self.micro = trainer.layout.micro_batch
+        self.micro = trainer.place.layout.micro_batch
         # A lower-precision param_dtype is run under autocast, as clustertrain does for DDP.
         dtype = DTYPES[cfg.parallel.param_dtype]
         self.autocast = None if dtype == torch.float32 else dtype
         # Global batches of the same shape from the same data, built once in memory, cycled through.
-        loader = StreamLoader(trainer.plan, dp_rank=0, dp_size=1)
+        loader = StreamLoader(trainer.data.plan, dp_rank=0, dp_size=1)
         self.batches = []
         for _ in range(n_batches):
             batch = loader.next_batch()
@@ -195,18 +195,18 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.train.eval_every or cfg.checkpoint.every:
                 print("note: evaluation / periodic checkpoints are on and are timed with clustertrain's steps")
             hand = HandWrittenSide(trainer)
-            assert same_weights(trainer.runner.model, hand.model), "the two models do not start from the same weights"
+            assert same_weights(trainer.model.runner.model, hand.model), "the two models do not start from the same weights"
             ct = ClustertrainSide(trainer)
             sides = (ct, hand)
             build_s = time.perf_counter() - t0
 
-            tokens_per_step = trainer.tokens_per_step
-            p = trainer.params["total"]
-            hf = trainer.runner.model.config
+            tokens_per_step = trainer.config.tokens_per_step
+            p = trainer.model.params["total"]
+            hf = trainer.model.runner.model.config
             print(f"model: {cfg.model.arch} {p / 1e6:.2f}M params (hidden {getattr(hf, 'hidden_size', '?')}, "
                   f"{getattr(hf, 'num_hidden_layers', '?')} layers, vocab {hf.vocab_size})")
             print(f"batch {cfg.train.global_batch_size} x {cfg.data.seq_len} = {tokens_per_step} tokens/step, "
-                  f"micro {trainer.layout.micro_batch} | device {trainer.device.type}, {torch.get_num_threads()} "
+                  f"micro {trainer.place.layout.micro_batch} | device {trainer.place.device.type}, {torch.get_num_threads()} "
                   f"threads | torch {torch.__version__}")
             print(f"built in {build_s:.1f}s; warmup {args.warmup} steps per side, then {args.rounds} rounds x "
                   f"{args.steps_per_round} steps per side, alternating order; metrics.log_every="

@@ -1,6 +1,7 @@
-"""Files written so that no reader, and no crash, ever sees half of one: the package's one atomic write; and
-the one open of a file someone else may have replaced (a run's status, heartbeats, hang report, metrics): regular
-files only, never blocking, read whole up to a bound (`read_regular`) or streamed (`open_regular`)."""
+"""Files written so that no reader, and no crash, ever sees half of one: the package's one atomic write; the one
+open of a file someone else may have replaced (a run's status, heartbeats, hang report, metrics): regular files
+only, never blocking, read whole up to a bound (`read_regular`) or streamed (`open_regular`); and the one reader and
+writer of JSON lines (metrics.jsonl, the Slurm job chain), whose messages name the file and line."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import os
 import socket
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
+
+from clustertrain.errors import DataError, first_line
 
 HOST = socket.gethostname()
 READ_LIMIT = 1 << 20  # bytes: a run's own JSON and stack files are kilobytes; past this a file is not one of them
@@ -102,3 +106,128 @@ def _check_regular(st: os.stat_result, path: Path, limit: int | None) -> None:
         raise OSError(errno.EINVAL, f"{kind}not a regular file", str(path))
     if limit is not None and st.st_size > limit:
         raise OSError(errno.EFBIG, f"larger than {limit:,} bytes ({st.st_size:,})", str(path))
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a value's type, for messages."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+def json_value(value: Any) -> str:
+    """A parsed JSON value for a message, as it was written: 'null', 'string "2"', 'array [1, 2]' (40 characters)."""
+    return "null" if value is None else f"{json_type(value)} {json.dumps(value)[:40]}"
+
+
+def json_error(error: Exception) -> str:
+    """Why json.loads refused a text, in a few words: "Expecting value at column 1", "nested too deeply"."""
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # "Unterminated string starting at"
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return first_line(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """The JSON object in `text` (one line of a JSON-lines file).
+
+    Raises:
+        ValueError: "malformed JSON (Expecting value at column 1)", "not a JSON object (got array)".
+    """
+    try:
+        value = json.loads(text)
+    except (RecursionError, ValueError) as e:  # nesting past the recursion limit; an integer of 4,300+ digits
+        raise ValueError(f"malformed JSON ({json_error(e)})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a JSON object (got {json_type(value)})")
+    return value
+
+
+def read_jsonl(path: Path, line_limit: int, file_limit: int | None = None, about: str = "",
+               drop_cut_line: bool = False, check: Callable[[dict[str, Any]], None] | None = None
+               ) -> list[dict[str, Any]]:
+    """The JSON object on each non-blank line of `path`, streamed from a regular file (`open_regular`), so that a
+    large file is read in bounded memory and a FIFO or a link to /dev/zero in its place neither blocks nor fills it.
+
+    Args:
+        line_limit: Bytes of one line; a longer line is refused.
+        file_limit: Bytes of the whole file, when it has a bound.
+        about: What the file holds, added to a message about a line that is no JSON object of it.
+        drop_cut_line: A last line cut short (its writer killed mid-write: no newline at its end) that is not
+            whole is dropped rather than refused.
+        check: Called with each object; a ValueError it raises is reported as that line's problem.
+
+    Raises:
+        DataError: One line naming the file (not a regular file, too large) or the file and line (longer than
+            `line_limit`, not UTF-8, not JSON, not an object, refused by `check`).
+    """
+    try:
+        with open_regular(path, file_limit) as f:
+            return _json_lines(f, path, line_limit, file_limit, about, drop_cut_line, check)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+
+
+def _json_lines(f: IO[bytes], path: Path, line_limit: int, file_limit: int | None, about: str,
+                drop_cut_line: bool, check: Callable[[dict[str, Any]], None] | None) -> list[dict[str, Any]]:
+    records, size, also = [], 0, f"; {about}" if about else ""
+    for number, line in enumerate(iter(lambda: f.readline(line_limit + 1), b""), start=1):
+        where, size = f"{path}:{number}", size + len(line)
+        if file_limit is not None and size > file_limit:  # a file still growing stops here
+            raise OSError(errno.EFBIG, f"larger than {file_limit:,} bytes", str(path))
+        if len(line) > line_limit:
+            raise DataError(f"{where}: longer than {line_limit:,} bytes{also}")
+        if not line.strip():
+            continue
+        cut = drop_cut_line and not line.endswith(b"\n")  # only the last line can lack its newline
+        try:
+            record = json_object(line.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8"))
+        except UnicodeDecodeError as e:
+            if cut:
+                break
+            raise DataError(f"{where}: not UTF-8 text (byte {e.object[e.start]:#04x} at column {e.start + 1}){also}") \
+                from None
+        except ValueError as e:
+            if cut:
+                break
+            raise DataError(f"{where}: {e}") from None
+        if check is not None:
+            try:
+                check(record)
+            except ValueError as e:
+                raise DataError(f"{where}: {e}") from None
+        records.append(record)
+    return records
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append `record` to `path` as one JSON line, its folder made first."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+class JsonlWriter:
+    """Appends JSON objects to `path` (created if missing), one per line, each flushed as it is written. A last line
+    that a killed writer left without its newline is cut off first, so the file stays one object per line when a
+    resumed run appends to it."""
+
+    def __init__(self, path: Path) -> None:
+        if path.exists() and path.stat().st_size > 0:
+            with path.open("r+b") as f:
+                size = f.seek(0, 2)
+                f.seek(max(0, size - (1 << 20)))
+                tail = f.read()
+                if not tail.endswith(b"\n"):
+                    f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def append(self, record: dict[str, Any]) -> None:
+        """Write `record` as one line, flushed."""
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; nothing more is written."""
+        self._file.close()

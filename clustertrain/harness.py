@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from clustertrain.errors import UserError, first_line
+from clustertrain.errors import UserError, first_line, one_line
 
 # The exact match of `clustertrain eval --data`: greedy, up to EOS, both sides stripped of surrounding whitespace.
 STRIP = ["^\\s+", "\\s+$"]
@@ -114,7 +114,7 @@ def _task_files(path: Path, spec: str, seen: frozenset[Path] = frozenset()) -> l
     try:
         config = loader.get_single_data()
     except (yaml.YAMLError, RecursionError) as e:
-        reason = "nested too deeply" if isinstance(e, RecursionError) else " ".join(str(e).split())
+        reason = "nested too deeply" if isinstance(e, RecursionError) else one_line(e)
         raise UserError(f"--tasks {spec}: {path}: not valid YAML: {reason}") from None
     finally:
         loader.dispose()

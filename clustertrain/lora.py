@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from clustertrain.config.schema import LoraConfig
+from clustertrain.errors import ConfigError, one_line
 
 try:
     from torch.distributed.tensor import DTensor
@@ -32,9 +33,7 @@ def apply_lora(model: PreTrainedModel, lora: LoraConfig, base_dtype: torch.dtype
     try:
         wrapped = peft.get_peft_model(model, config)
     except ValueError as e:  # a target module the model does not have (model.path models: seen only here)
-        from clustertrain.errors import ConfigError
-
-        raise ConfigError(f"lora.target_modules = {lora.target_modules}: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"lora.target_modules = {lora.target_modules}: {one_line(e)}") from None
     for param in wrapped.parameters():
         if not param.requires_grad:
             param.data = param.data.to(base_dtype)

@@ -41,4 +41,4 @@ if __name__ == "__main__":
     problem = torch_problem(installed_torch(), missing_ok=True)  # make install then installs a CPU build
     if problem:
         print(f"error: {problem}", file=sys.stderr)
-    sys.exit(2 if problem else 0)
+    sys.exit(2 if problem else 0)  # errors.ExitCode.USER_ERROR or OK, as literals: this file imports no clustertrain

@@ -20,7 +20,8 @@ import yaml
 
 from forkserver import SERVER, Forked
 
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.run_dir import RunDir
+from clustertrain.train.metrics import read_metrics
 from clustertrain.train.status import read_status
 
 # A small model and corpus: fast on 2 cores, still a real Llama on real text.
@@ -99,7 +100,7 @@ def train(run_dir: Path, *overrides: str, nproc: int | None = None, config: str 
     status.json says so (see `check_ending`)."""
     args = ["train", *([config] if config else []), *(["--nproc", str(nproc)] if nproc else []), *extra_args]
     args += [f"--set={o}" for o in (*TINY, f"train.run_dir={run_dir}", *overrides)]
-    before = read_status(Path(run_dir))
+    before = read_status(RunDir(run_dir))
     result = run_cli(*args, env=env)
     check_ending(Path(run_dir), result, expect, state=state, before=before)
     return result
@@ -121,7 +122,7 @@ def check_ending(run_dir: Path, result: subprocess.CompletedProcess, expect: int
     """
     output = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
     assert result.returncode == expect, output
-    status = read_status(run_dir)
+    status = read_status(RunDir(run_dir))
     if expect == 2 and state is None:
         assert status == before, f"a refused start changed status.json: {before} -> {status}\n{output}"
         return
@@ -267,12 +268,12 @@ def alive(pid: int) -> bool:
 
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> training loss from a run's metrics.jsonl (later records win, as after a resume)."""
-    return {r["step"]: r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r.get("loss") is not None}
+    return {r["step"]: r["loss"] for r in read_metrics(Path(run_dir) / "metrics.jsonl") if r.get("loss") is not None}
 
 
 def grad_norms(run_dir: Path) -> dict[int, float]:
     """step -> gradient norm from a run's metrics.jsonl."""
-    return {r["step"]: r["grad_norm"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "grad_norm" in r}
+    return {r["step"]: r["grad_norm"] for r in read_metrics(Path(run_dir) / "metrics.jsonl") if "grad_norm" in r}
 
 
 class LayoutRuns(dict):
@@ -366,7 +367,7 @@ def run_ranks(rank_fn, run_dir: Path, overrides: list[str]) -> None:
         except Exception as e:  # noqa: BLE001 - only a taken port is retried
             if PORT_TAKEN not in str(e) or attempt == 2:
                 raise
-    assert read_status(run_dir)["state"] == "finished"
+    assert read_status(RunDir(run_dir))["state"] == "finished"
 
 
 SLOW_WRITE_ENV = "CLUSTERTRAIN_TEST_SLOW_CHECKPOINT_WRITE_S"

@@ -34,19 +34,19 @@ from clustertrain.checkpoint.base import check_base
 from clustertrain.checkpoint.compat import write_legacy_config, write_portable_tokenizer_class
 from clustertrain.checkpoint.dcp import STEP_DIR, latest_checkpoint, list_checkpoints
 from clustertrain.checkpoint.load import with_hint
-from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
 from clustertrain.checkpoint.reader import (DamagedCheckpoint, OpenedCheckpoint, check_fits, load_state,
                                             open_checkpoint)
 from clustertrain.checkpoint.stream import (Snapshot, check_checkpoint_fits, load_adapters, plan_entries,
                                             write_adapter, write_weights)
 from clustertrain.checkpoint.train_state import TRAIN_STATE, TrainState
-from clustertrain.config.load import dump_config, validate
+from clustertrain.config.data_schema import DataConfig
+from clustertrain.config.load import dump_config, load_config, validate
 from clustertrain.config.remote_code import custom_code
-from clustertrain.config.schema import DataConfig, RunConfig
-from clustertrain.errors import CheckpointError, first_line
+from clustertrain.config.schema import RunConfig
+from clustertrain.errors import CheckpointError, ExitCode, first_line
 from clustertrain.files import write_atomic
 from clustertrain.model.build import build_hf_config, build_meta_model
-from clustertrain.model.spec import load_checked_config, model_config_problems
+from clustertrain.model.spec import model_config_problems
 from clustertrain.model.weights import init_weights, load_pretrained, refusal
 from clustertrain.run_dir import RunDir
 
@@ -108,7 +108,7 @@ def open_for_export(ckpt_dir: str | Path) -> Checkpoint:
         raise with_hint(str(e), path, resume=False) from None
     if not (path / "config.yaml").is_file():
         raise CheckpointError(f"{path}: no config.yaml, so the model cannot be rebuilt")
-    config = load_checked_config(path / "config.yaml")
+    config = load_config(path / "config.yaml", checks=(model_config_problems,))
     _refuse_custom_code(path / "tokenizer", path / "model")
     tokenizer = None
     if (path / "tokenizer").is_dir():
@@ -324,7 +324,7 @@ def _refuse_checkpoints_folder(out_dir: Path) -> None:
 class ExportFailed(CheckpointError):
     """The disk filled (or the quota) while writing an export: exit 74, as for a failed checkpoint save."""
 
-    exit_code = SAVE_FAILED_EXIT_CODE
+    exit_code = ExitCode.SAVE_FAILED
 
 
 _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}  # the user's choice of directory: exit 2

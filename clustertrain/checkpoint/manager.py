@@ -1,13 +1,13 @@
 """A run's checkpoints, from start to end: which one a start resumes, loading it, saving (sync or async),
 retention, disk errors.
 
-    checkpoints = CheckpointManager(RunDir(run_dir), config.checkpoint, final_step, device, extras)
-    checkpoints.choose(config.train.resume, config.train.overwrite)  # before the model is built: fail fast
-    checkpoints.tracked = Tracked(runner.parts, optimizer, loader, scaler)  # once they are built
-    state = checkpoints.resume()                 # restores them; the TrainState, or None for a fresh start
+    point = choose_resume(run, config.train.resume, config.train.overwrite)  # before the model: fail fast
+    checkpoints = CheckpointManager(run, config.checkpoint, final_step, device, extras,
+                                    Tracked(runner.parts, optimizer, loader, scaler), point)  # once they are built
+    state = checkpoints.resume(config.train)     # restores them; the TrainState, or None for a fresh start
     checkpoints.save(step, tokens_seen)          # final=True: the run's last, which must succeed
 
-A run's last save must succeed: if it fails, the run fails with SAVE_FAILED_EXIT_CODE. (Stopping on a
+A run's last save must succeed: if it fails, the run fails with ExitCode.SAVE_FAILED. (Stopping on a
 signal or the walltime, and the exit code that asks for a requeue, are clustertrain.distributed.stop's.)
 """
 
@@ -32,13 +32,13 @@ from clustertrain.checkpoint import dcp as ckpt
 from clustertrain.checkpoint.base import base_reference
 from clustertrain.checkpoint.load import load_checkpoint
 from clustertrain.checkpoint.train_state import TrainState
-from clustertrain.config.schema import CheckpointConfig
+from clustertrain.config.budget import check_budget_reaches
+from clustertrain.config.schema import CheckpointConfig, TrainConfig
 from clustertrain.distributed.collectives import reduce_values
-from clustertrain.errors import CheckpointError
+from clustertrain.errors import CheckpointError, ExitCode, one_line
 from clustertrain.run_dir import RunDir
 
 WRITE_ERRORS = (Exception, CheckpointException)  # DCP's exception derives from BaseException
-SAVE_FAILED_EXIT_CODE = 74  # EX_IOERR: a checkpoint could not be written (disk full, quota, permissions)
 
 
 class SaveFailed(CheckpointError):
@@ -48,7 +48,7 @@ class SaveFailed(CheckpointError):
     steps and the checkpoint that is intact, to resume from once there is room.
     """
 
-    exit_code = SAVE_FAILED_EXIT_CODE
+    exit_code = ExitCode.SAVE_FAILED
 
 
 @dataclass
@@ -88,6 +88,43 @@ class Tracked:
     scaler: Any = None  # float16's loss scaler
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a start resumes: a checkpoint folder, or None for a fresh start (`choose_resume`).
+
+    Attributes:
+        start_over: train.overwrite over a run directory with checkpoints: its earlier run is moved aside.
+    """
+
+    checkpoint: Path | None
+    start_over: bool = False
+
+
+def choose_resume(run: RunDir, resume: str, overwrite: bool) -> ResumePoint:
+    """The checkpoint this start resumes from (every rank calls, before the model is built: a refusal costs
+    nothing): `train.resume`'s path, or under auto the newest complete one; none for a fresh start. Rank 0 first
+    removes the leftovers of interrupted saves (publishing one that was stopped after its last write). The run
+    directory is locked: no other run adds a checkpoint.
+
+    Raises:
+        CheckpointError: train.resume names no folder, or is 'none' where checkpoints exist without
+            train.overwrite.
+    """
+    if dist.get_rank() == 0:
+        ckpt.remove_incomplete(run.checkpoints)
+    dist.barrier()
+    latest = ckpt.latest_checkpoint(run.checkpoints)
+    if resume == "none" and latest is not None and not overwrite:
+        raise CheckpointError(
+            f"{run.root} already holds checkpoints and train.resume is 'none'; use --resume auto to "
+            "continue it, --overwrite to start over (the old run is moved aside), or another train.run_dir"
+        )
+    chosen = None if resume == "none" else latest if resume == "auto" else Path(resume)
+    if chosen is not None and not chosen.is_dir():
+        raise CheckpointError(f"train.resume: checkpoint {chosen} does not exist")
+    return ResumePoint(chosen, start_over=resume == "none" and latest is not None)
+
+
 class CheckpointManager:
     """Owns a run's checkpoint folder: the checkpoint a start resumes (choose, resume), and saves (sync or async,
     at most one in flight), pruned to the retention, surviving failed writes.
@@ -97,7 +134,8 @@ class CheckpointManager:
     """
 
     def __init__(self, run: RunDir, config: CheckpointConfig, final_step: int, device: torch.device,
-                 extras: StandAlone, log: Callable[[str], None] = print):
+                 extras: StandAlone, tracked: Tracked | None = None, resume_point: ResumePoint | None = None,
+                 log: Callable[[str], None] = print):
         self.run, self.root = run, run.checkpoints
         self.config, self.final_step, self.extras, self.log = config, final_step, extras, log
         # auto: async on GPUs, where the step waits only for a copy into pinned host memory; on the CPU the
@@ -107,9 +145,8 @@ class CheckpointManager:
         self._staging: dict[str, Any] | None = None  # made at the first save, then kept: it holds the buffers
         self.rank0 = dist.get_rank() == 0
         self._pending: tuple[Future | None, int, TrainState] | None = None
-        self.tracked: Tracked | None = None  # set once the model, optimizer and loader are built
-        self.chosen: Path | None = None  # the checkpoint this start resumes from (choose)
-        self._start_over = False  # train.overwrite: the run directory's earlier run is moved aside at resume()
+        self.tracked = tracked
+        self.resume_point = resume_point or ResumePoint(None)
         self.last: Path | None = None  # the newest committed checkpoint of this run (the resumed one at first)
         self.saved_step: int | None = None  # the step of the last save started (or resumed from)
         self.failed_step: int | None = None  # the step of the last save that failed
@@ -117,49 +154,29 @@ class CheckpointManager:
         self._async_group = None
 
     # ---- resume ------------------------------------------------------------------------------
-    def choose(self, resume: str, overwrite: bool) -> Path | None:
-        """The checkpoint this start resumes from (every rank calls): `train.resume`'s path, or under auto the
-        newest complete one; None for a fresh start. Rank 0 first removes the leftovers of interrupted saves
-        (publishing one that was stopped after its last write). The run directory is locked: no other run
-        adds a checkpoint.
+    def resume(self, train: TrainConfig) -> TrainState | None:
+        """Load the resume point's checkpoint into the tracked objects (every rank calls) and return its train
+        state; None for a fresh start, which moves an earlier run aside under train.overwrite (nothing is deleted).
 
         Raises:
-            CheckpointError: train.resume names no folder, or is 'none' where checkpoints exist without
-                train.overwrite.
+            ConfigError: the run's budget (train.steps, train.tokens) ends at or before the checkpoint's step.
         """
-        if self.rank0:
-            ckpt.remove_incomplete(self.root)
-        dist.barrier()
-        latest = ckpt.latest_checkpoint(self.root)
-        if resume == "none" and latest is not None and not overwrite:
-            raise CheckpointError(
-                f"{self.run.root} already holds checkpoints and train.resume is 'none'; use --resume auto to "
-                "continue it, --overwrite to start over (the old run is moved aside), or another train.run_dir"
-            )
-        self._start_over = resume == "none" and latest is not None
-        self.chosen = None if resume == "none" else latest if resume == "auto" else Path(resume)
-        if self.chosen is not None and not self.chosen.is_dir():
-            raise CheckpointError(f"train.resume: checkpoint {self.chosen} does not exist")
-        return self.chosen
-
-    def resume(self) -> TrainState | None:
-        """Load the chosen checkpoint into the tracked objects (every rank calls) and return its train state;
-        None for a fresh start, which moves an earlier run aside under train.overwrite (nothing is deleted)."""
-        if self._start_over:
+        if self.resume_point.start_over:
             dist.barrier()  # every rank has seen the old checkpoints before rank 0 moves them
             if self.rank0:
                 moved = self.run.move_aside()
                 print(f"moved the previous run's files to {moved}", flush=True)
             dist.barrier()
-        if self.chosen is None:
+        chosen, tracked = self.resume_point.checkpoint, self.tracked
+        if chosen is None:
             return None
-        tracked = self.tracked
-        state = load_checkpoint(self.chosen, tracked.parts, tracked.optimizer, snapshot=self.extras.snapshot)
+        state = load_checkpoint(chosen, tracked.parts, tracked.optimizer, snapshot=self.extras.snapshot)
+        check_budget_reaches(train, self.final_step, state.step, chosen)
         if tracked.loader is not None and state.data is not None:  # an imported model starts the data afresh
             tracked.loader.load_state_dict(state.data)
         if tracked.scaler is not None and state.grad_scaler is not None:
             tracked.scaler.load_state_dict(state.grad_scaler)
-        self.last, self.saved_step = self.chosen, state.step
+        self.last, self.saved_step = chosen, state.step
         return state
 
     # ---- save --------------------------------------------------------------------------------
@@ -247,7 +264,7 @@ class CheckpointManager:
     def _failed(self, step: int, error: BaseException, final: bool) -> None:
         if isinstance(error, CheckpointException) and error.failures:  # the first rank's own error, not DCP's report
             error = next(iter(error.failures.values()))[0]
-        reason = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        reason = f"{type(error).__name__}: {one_line(error)[:200]}"
         free_gb = shutil.disk_usage(self.root).free / 1e9 if self.root.exists() else float("nan")
         kept = ckpt.latest_checkpoint(self.root) if self.root.is_dir() else None
         message = (f"checkpoint of step {step} failed ({reason}; {free_gb:.1f} GB free under {self.root}); "

@@ -32,7 +32,7 @@ import sys
 
 from clustertrain.cli.logs import LOG_LEVELS, setup_logging
 from clustertrain.cli.options import add_shared_flags, dotted_to_set, reject_extras, version_line
-from clustertrain.errors import UserError, note_user_error
+from clustertrain.errors import ExitCode, UserError, note_user_error
 from clustertrain.torch_check import installed_torch, torch_problem
 
 # Login-node commands: they never import torch.
@@ -105,7 +105,7 @@ def _main(argv: list[str] | None) -> int:
     logging.getLogger("clustertrain.cli").debug("clustertrain %s, arguments as read: %s", args.command, argv)
     if args.command not in WITHOUT_TORCH and (problem := torch_problem(installed_torch())):
         print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return ExitCode.USER_ERROR
     if args.command not in ("download", "stage"):  # the two that fetch from the hub, on a login node
         work_offline()
     try:
@@ -124,7 +124,7 @@ def _main(argv: list[str] | None) -> int:
             note_user_error(e)
         return e.exit_code
     except KeyboardInterrupt:
-        return 130
+        return ExitCode.INTERRUPTED
 
 
 def work_offline(env: dict[str, str] = os.environ) -> None:

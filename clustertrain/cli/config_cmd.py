@@ -13,6 +13,10 @@ and a config converted from torchtitan, HF/TRL TrainingArguments (+ DeepSpeed) o
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from clustertrain.resolve.run import Resolved
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -72,24 +76,24 @@ def _world(args: argparse.Namespace, config) -> tuple[int, int, str]:
 
 def run_show(args: argparse.Namespace) -> int:
     from clustertrain.config.load import dump_config
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     config = load_checked_config(args.config, args.set)
     if args.world is None and args.nodes is None:
         print(dump_config(config), end="")
         return 0
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.run import resolve
 
     world, local, where = _world(args, config)
-    run = resolve_run(config, world, local, None if config.parallel.device == "auto" else config.parallel.device)
+    run = resolve(config, world, local, None if config.parallel.device == "auto" else config.parallel.device)
     print(f"# {where}: {_summary(run)}")
     print(dump_config(run.config), end="")
     return 0
 
 
-def _summary(run) -> str:
-    """The layout and the steps of a resolved run, in one line."""
-    from clustertrain.config.checks import total_steps
+def _summary(run: Resolved) -> str:
+    """The layout and the steps of a run settled on its world, in one line."""
+    from clustertrain.config.budget import total_steps
 
     config = run.config
     steps = (f"train.epochs {config.train.epochs:g} (steps counted from the data at start)" if config.train.epochs
@@ -98,10 +102,11 @@ def _summary(run) -> str:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from clustertrain.config.checks import check_world
+    from clustertrain.config.layout import check_world
     from clustertrain.errors import ConfigError, UserError
-    from clustertrain.model.spec import load_checked_config, model_shape
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.model.spec import model_shape
+    from clustertrain.resolve.load import load_checked_config
+    from clustertrain.resolve.run import resolve
 
     config = load_checked_config(args.config, args.set)
     world, local, where = _world(args, config)
@@ -115,7 +120,7 @@ def run_check(args: argparse.Namespace) -> int:
         count = f"{len(problems)} problem{'s' if len(problems) > 1 else ''}"
         raise ConfigError(f"{where}: {count}\n" + "\n".join(f"  {p}" for p in problems))
     device = None if config.parallel.device == "auto" else config.parallel.device
-    print(f"OK: {where}: {_summary(resolve_run(config, world, local, device))}")
+    print(f"OK: {where}: {_summary(resolve(config, world, local, device))}")
     return 0
 
 

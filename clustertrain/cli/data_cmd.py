@@ -20,7 +20,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_audit(args: argparse.Namespace) -> int:
     from clustertrain.data.audit import audit_report, expected_samples, problem_lines, read_audit
     from clustertrain.errors import UserError
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
     from clustertrain.run_dir import RunDir
 
     run = RunDir(Path(args.run_dir))

@@ -31,7 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from clustertrain.errors import ConfigError
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     if not args.slow > 1:
         raise ConfigError(f"--slow {args.slow:g}: give a factor above 1, e.g. 1.25 (25% slower than the median)")

@@ -21,6 +21,8 @@ import argparse
 import contextlib
 from collections.abc import Iterator
 
+from clustertrain.errors import ExitCode
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
@@ -77,7 +79,7 @@ def run_download(args: argparse.Namespace) -> int:
         print_usage(args, done)
     if failed and len(args.repo_ids) > 1:
         print(f"error: {len(failed)} of {len(args.repo_ids)} downloads failed: {', '.join(failed)}", file=sys.stderr)
-    return 2 if failed else 0
+    return ExitCode.USER_ERROR if failed else ExitCode.OK
 
 
 @contextlib.contextmanager
@@ -91,7 +93,7 @@ def stop_at_once(repo_id: str, cache) -> Iterator[None]:
     import signal
     import sys
 
-    from clustertrain.distributed.stop import REQUEUE_EXIT_CODE, STOP_SIGNALS
+    from clustertrain.distributed.stop import STOP_SIGNALS
     from clustertrain.model.download import remove_own_partial_files
 
     def stop(signum: int, _frame) -> None:
@@ -100,7 +102,7 @@ def stop_at_once(repo_id: str, cache) -> Iterator[None]:
         with contextlib.suppress(OSError):
             print(f"\nerror: the download of {repo_id} was stopped by {signal.Signals(signum).name}; {removed}, "
                   "complete files kept: run the same command again to finish it", file=sys.stderr, flush=True)
-        os._exit(REQUEUE_EXIT_CODE)
+        os._exit(ExitCode.REQUEUE)
 
     previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
     try:

@@ -39,8 +39,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device-memory", type=float, metavar="GB", help="device memory per rank, GB (above 0)")
     parser.add_argument("--peak-tflops", type=float, metavar="T",
                         help="the device's peak at the compute dtype (above 0)")
-    parser.add_argument("--efficiency", type=float, default=0.5, metavar="F",
-                        help="fraction of peak FLOP/s the matmuls reach, above 0 and at most 1 (default 0.5)")
+    parser.add_argument("--efficiency", type=float, metavar="F", help="fraction of peak FLOP/s the matmuls reach, "
+                        "above 0 and at most 1 (default: the device's in the hardware catalogue, 0.5)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. parallel.tp=8")
     parser.add_argument("--search", action="store_true", help="try the layouts that could train this config on this "
                         "world (strategy, tp, pp, micro batch, activation checkpointing) and rank those that fit")
@@ -52,24 +52,28 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from clustertrain.launch.presets import load_preset
-    from clustertrain.model.spec import load_checked_config
     from clustertrain.plan.plan import make_plan
-    from clustertrain.plan.target import target_for
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.plan.target import TargetRequest, target_for
+    from clustertrain.resolve.load import load_checked_config
+    from clustertrain.resolve.run import resolve
 
     check_numbers(args)
     config = load_checked_config(args.config, args.set)
     preset = load_preset(args.preset or config.slurm.preset)
-    if args.gpus_per_node is None and config.slurm.gpus_per_node is None and preset.gpus_per_node:
-        args.gpus_per_node = preset.gpus_per_node
-    target = target_for(config, args, preset.hardware)
+    per_node = args.gpus_per_node
+    if per_node is None and config.slurm.gpus_per_node is None and preset.gpus_per_node:
+        per_node = preset.gpus_per_node
+    request = TargetRequest(world=args.world, nodes=args.nodes, ranks_per_node=per_node,
+                            device_memory_gb=args.device_memory, peak_tflops=args.peak_tflops,
+                            efficiency=args.efficiency)
+    target = target_for(config, request, preset.hardware)
     name = f"{args.config or 'the default config'} on {target.where}"
     if args.search:
         return _search(args, target, name)
-    run = resolve_run(target.config, target.world, target.device.per_node, target.device_type)
+    run = resolve(target.config, target.world, target.device.per_node, target.device_type)
     plan = make_plan(run.config, run.layout, target.device.per_node, target.device)
     if run.choice:
-        print(run.choice)
+        print(run.choice.line)
     if args.plot:
         from clustertrain.plan.picture import draw
 

@@ -31,6 +31,7 @@ def run_plot(args: argparse.Namespace) -> int:
     from clustertrain.run_dir import RunDir
     from clustertrain.train.plots import plot_runs
 
-    out = plot_runs(args.run_dirs, args.output or RunDir(args.run_dirs[0]).curves_plot)
+    runs = [RunDir(path) for path in args.run_dirs]
+    out = plot_runs(runs, args.output or runs[0].curves_plot)
     print(f"wrote {out}")
     return 0

@@ -55,16 +55,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     scaling.set_defaults(run=run_scaling)
 
     status = sub.add_parser("status", help="the job chain, newest checkpoint, progress and ETA of a run")
-    status.add_argument("run_dir", type=Path)
+    status.add_argument("run_dir", type=RunDir)
     status.set_defaults(run=run_status)
 
     start = sub.add_parser("job-start", help="(called by the job script) record the job; stop a crash loop")
-    start.add_argument("run_dir", type=Path)
+    start.add_argument("run_dir", type=RunDir)
     start.add_argument("--max-restarts", type=int, required=True)
     start.set_defaults(run=lambda a: _jobs().job_start(a.run_dir, a.max_restarts))
 
     end = sub.add_parser("job-end", help="(called by the job script) record the outcome; requeue if unfinished")
-    end.add_argument("run_dir", type=Path)
+    end.add_argument("run_dir", type=RunDir)
     end.add_argument("--exit-code", type=int, required=True)
     end.add_argument("--signalled", type=int, choices=(0, 1), default=0, help="1 if Slurm warned the job")
     end.add_argument("--on-stop", choices=("requeue", "dependency", "none"), required=True)
@@ -82,7 +82,7 @@ def _jobs():
 
 
 def _load(args: argparse.Namespace):
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     if getattr(args, "doctor", False):
         args.set = [*args.set, "slurm.doctor=true"]  # the job script passes it on to the doctor and train steps
@@ -161,15 +161,14 @@ def run_status(args: argparse.Namespace) -> int:
 
     from clustertrain.checkpoint.dcp import latest_checkpoint
     from clustertrain.errors import DataError, LaunchError
-    from clustertrain.train.metrics import format_duration, read_jsonl
+    from clustertrain.train.metrics import format_duration, read_metrics
     from clustertrain.train.status import load_status
 
     jobs = _jobs()
-    run_dir = args.run_dir
-    run = RunDir(run_dir)
-    chain = jobs.read_chain(run_dir)
+    run = args.run_dir
+    chain = jobs.read_chain(run)
     if not chain and not run.status.exists():
-        raise LaunchError(f"{run_dir} has no Slurm job chain ({run.job_chain}) and no status.json; "
+        raise LaunchError(f"{run.root} has no Slurm job chain ({run.job_chain}) and no status.json; "
                           "is it a run directory?")
     # Paths stay whole, for copy and paste; no markup or emoji codes: the files' own text (an error, a job id) is
     # shown as it is, but escaped (`printable`) and each value cut to a line (`cut`).
@@ -179,10 +178,10 @@ def run_status(args: argparse.Namespace) -> int:
     def say(label: str, text: str) -> None:
         console.print(Text.assemble((label, "bold"), " ", printable(text)))
 
-    say("run", str(run_dir.resolve()))
+    say("run", str(run.root.resolve()))
     console.print(job_table(jobs.job_rows(chain)))
     try:
-        status = load_status(run_dir) or {}
+        status = load_status(run) or {}
     except (OSError, ValueError) as e:  # files.read_regular's OSError says what is wrong in its strerror
         status, damaged = {}, True
         say("state", f"unknown: {run.status} is damaged ({cut(getattr(e, 'strerror', None) or e)})")
@@ -196,7 +195,7 @@ def run_status(args: argparse.Namespace) -> int:
     say("checkpoint", str(checkpoint or "-"))
     metrics = run.metrics
     try:
-        records = [r for r in read_jsonl(metrics) if r.get("loss") is not None] if metrics.exists() else []
+        records = [r for r in read_metrics(metrics) if r.get("loss") is not None] if metrics.exists() else []
     except DataError as e:  # a FIFO, a device, a malformed line: named; the chain and state above still stand
         records, damaged = [], True
         say("progress", f"unknown: {cut(e)}")

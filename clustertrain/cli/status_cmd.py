@@ -38,7 +38,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("status", help="a run's state, each rank's heartbeat, the slowest rank, a hang's "
                                  "stacks and its Slurm jobs' retries", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="the run directory (train.run_dir)")
+    parser.add_argument("run_dir", type=RunDir, help="the run directory (train.run_dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     parser.set_defaults(run=run)
 
@@ -58,17 +58,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- gather -------------------------------------------------------------------------------------------------
-def run_report(run_dir: Path, now: float | None = None) -> dict[str, Any]:
+def run_report(run: RunDir, now: float | None = None) -> dict[str, Any]:
     """Everything `status` shows, as plain data (what --json prints).
 
     Raises:
-        DataError: `run_dir` is missing or holds none of a run's files; the job chain cannot be read or is malformed.
+        DataError: The run directory is missing or holds none of a run's files; the job chain cannot be read or
+            is malformed.
     """
     from clustertrain.errors import DataError
     from clustertrain.launch.jobs import excluded_nodes, job_rows, read_chain, restarts, start_retries
     from clustertrain.train.status import load_status
 
-    run = RunDir(run_dir)
+    run_dir = run.root
     if not run_dir.is_dir():
         raise DataError(f"{run_dir}: {'not a directory' if run_dir.exists() else 'no such directory'}; give a run "
                         "directory (train.run_dir)")
@@ -78,13 +79,13 @@ def run_report(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     damaged: dict[str, str] = {}  # each run file that cannot be read (its path in the run) -> what is wrong
     try:
-        status = load_status(run_dir)
+        status = load_status(run)
     except (OSError, ValueError) as e:
         status, damaged[run.status.name] = None, _why(e)
     ranks, unreadable = read_heartbeats(run, now)
     damaged.update({f"{run.heartbeats.name}/{name}": why for name, why in unreadable.items()})
     hang = read_hang(run, damaged)
-    chain = read_chain(run_dir)
+    chain = read_chain(run)
     return {
         "run_dir": str(run_dir.resolve()),
         "time": now,
@@ -204,7 +205,7 @@ def format_report(report: dict[str, Any]) -> list[Any]:
     if len(damaged) > DAMAGED_SHOWN:
         out.append(f"          ... and {len(damaged) - DAMAGED_SHOWN} more (--json: all)")
     if report["hang"]:
-        out += _hang_lines(report["hang"], RunDir(Path(run_dir)).hang, report["time"])
+        out += _hang_lines(report["hang"], RunDir(run_dir).hang, report["time"])
     jobs = report["jobs"]
     if jobs:
         out.append(f"jobs      {jobs['restarts']} restart(s), {jobs['start_retries']} failed start(s) in a row"

@@ -21,7 +21,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from clustertrain.data.tokenize import train_bpe
     from clustertrain.errors import UserError
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     config = load_checked_config(args.config, args.set)
     out = Path(args.out_dir)

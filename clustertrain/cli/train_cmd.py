@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, early: EarlySignals) -> int:
     from clustertrain.errors import ConfigError
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     overrides = [*args.set, *([f"train.resume={args.resume}"] if args.resume else []),
                  *(["train.overwrite=true"] if args.overwrite else [])]
@@ -77,13 +77,12 @@ def print_summary(summary) -> None:
     """The end-of-run report: where things are, how the loss moved, what the model writes."""
     from rich.text import Text
 
-    from clustertrain.run_dir import RunDir
     from clustertrain.train.metrics import BestEffortConsole, silence
 
-    run = RunDir(summary.run_dir)
+    run = summary.files
     console = BestEffortConsole(highlight=False)  # a closed stdout does not turn a finished run into exit 1
     rows = [
-        ("run directory", str(summary.run_dir)),
+        ("run directory", str(run.root)),
         ("checkpoint", str(summary.checkpoint) if summary.checkpoint else "-"),
         ("metrics", f"{run.metrics}  (TensorBoard: {run.tensorboard})"),
     ]

@@ -66,7 +66,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def run_verify(args: argparse.Namespace) -> int:
     from clustertrain.distributed.env import detect_launcher
     from clustertrain.errors import ConfigError, LaunchError, UserError
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     for flag in ("nproc", "steps", "reference_nproc"):
         value = getattr(args, flag)
@@ -106,7 +106,7 @@ def run_verify(args: argparse.Namespace) -> int:
         code = run_training(args.config, nproc, overrides, out, name)
         if code != 0:
             return code
-        runs[name] = logged_steps(out / name)
+        runs[name] = logged_steps(RunDir(out / name))
     dtype = compute_dtype(layout.parallel)
     tolerance = args.tolerance if args.tolerance is not None else TOLERANCE[dtype]
     return compare(runs["layout"], runs["reference"], tolerance,
@@ -151,9 +151,9 @@ def describe_layout(parallel: ParallelConfig) -> str:
 def compute_dtype(parallel: ParallelConfig) -> str:
     """`parallel.param_dtype` as the runs resolve it on this machine's devices (auto: bfloat16 on a GPU)."""
     from clustertrain.distributed.init import device_type
-    from clustertrain.parallel.apply import resolve_param_dtype
+    from clustertrain.hardware import param_dtype_for
 
-    return resolve_param_dtype(parallel.param_dtype, device_type(parallel))
+    return param_dtype_for(parallel.param_dtype, device_type(parallel))
 
 
 def run_training(config: str | None, nproc: int, overrides: list[str], out: Path, name: str) -> int:
@@ -164,7 +164,7 @@ def run_training(config: str | None, nproc: int, overrides: list[str], out: Path
     """
     from clustertrain.errors import UserError
 
-    run_dir, log = out / name, out / f"{name}.log"
+    run, log = RunDir(out / name), out / f"{name}.log"
     command = [sys.executable, "-m", "clustertrain", "train", *([config] if config else []), "--nproc", str(nproc),
                *(f"--set={o}" for o in overrides)]
     start = time.perf_counter()
@@ -172,7 +172,7 @@ def run_training(config: str | None, nproc: int, overrides: list[str], out: Path
         result = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, errors="replace")
     with log.open("a") as f:
         f.write(result.stderr)
-    shutil.rmtree(RunDir(run_dir).checkpoints, ignore_errors=True)  # a model-sized folder nobody needs
+    shutil.rmtree(run.checkpoints, ignore_errors=True)  # a model-sized folder nobody needs
     lines = result.stderr.splitlines()
     errors = [i for i, line in enumerate(lines) if line.startswith("error: ")]
     if result.returncode == 2 and errors:  # the message that `main` printed, one line per problem
@@ -198,11 +198,11 @@ def clear_run_dir(run_dir: Path, log: Path) -> None:
     log.unlink(missing_ok=True)
 
 
-def logged_steps(run_dir: Path) -> dict[int, dict]:
+def logged_steps(run: RunDir) -> dict[int, dict]:
     """step -> the metrics record with the training loss and gradient norm of that step."""
-    from clustertrain.train.metrics import read_jsonl
+    from clustertrain.train.metrics import read_metrics
 
-    return {r["step"]: r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("loss") is not None}
+    return {r["step"]: r for r in read_metrics(run.metrics) if r.get("loss") is not None}
 
 
 def relative_difference(value: float, reference: float) -> float:

@@ -9,7 +9,9 @@ import json
 
 from pydantic import BaseModel
 
-from clustertrain.config.schema import RunConfig, SourceConfig
+from clustertrain.config.data_schema import SourceConfig
+
+from clustertrain.config.schema import RunConfig
 
 
 def render_reference() -> str:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from clustertrain.config.schema import ModelConfig, RunConfig
 from clustertrain.config.secrets import find_secrets
-from clustertrain.errors import ConfigError
+from clustertrain.errors import ConfigError, one_line
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -107,7 +107,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
         else:
             raise ConfigError(f"{path}: unknown config format {path.suffix!r}; use .yaml, .yml or .toml")
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {one_line(e)}") from None
     except RecursionError:  # tomllib, like PyYAML, reads nesting by recursion
         raise ConfigError(f"{path}: {TOO_DEEP}") from None
     if not isinstance(data, dict):

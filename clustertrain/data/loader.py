@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from clustertrain.config.checks import rows_problem
+from clustertrain.config.layout import rows_problem
 from clustertrain.data.pack import document_bounds
 from clustertrain.data.plan import DataPlan, spec_changes
 from clustertrain.distributed.collectives import all_gather_objects, rank_device

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from clustertrain.config.schema import DataConfig, SourceConfig
+from clustertrain.config.data_schema import DataConfig, SourceConfig
 from clustertrain.data.holdout import HeldOut, SplitSource
 from clustertrain.data.mixture import choose
 from clustertrain.data.pack import Cursor, DocumentOrder, Encoded, Packer, Sequence

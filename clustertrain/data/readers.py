@@ -17,12 +17,12 @@ import zipfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from clustertrain.errors import DataError, first_line
-from clustertrain.files import write_atomic
+from clustertrain.errors import DataError
+from clustertrain.files import json_error, json_object, json_type, write_atomic
 
 INDEX_EVERY = 1024  # a line index notes every 1024th record: a seek costs at most 1023 record skips
 BOM = b"\xef\xbb\xbf"
@@ -92,36 +92,13 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
-def json_type(value: Any) -> str:
-    """The JSON name of a value's type, for messages."""
-    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
-
-
 def parse_object(text: str, location: str, bad: BadData) -> dict | None:
-    """The JSON object in `text`, or None after reporting why there is none."""
+    """The JSON object in `text`, or None after reporting why there is none (files.json_object)."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        bad.report("malformed JSON", f"{location}: malformed JSON ({_at_column(e)})")
+        return json_object(text)
+    except ValueError as e:  # "malformed JSON (...)", "not a JSON object (...)": its reason, then its detail
+        bad.report(str(e).split(" (")[0], f"{location}: {e}")
         return None
-    except (RecursionError, ValueError) as e:  # nesting past the recursion limit; an integer of 4,300+ digits
-        bad.report("malformed JSON", f"{location}: malformed JSON ({_json_limit(e)})")
-        return None
-    if not isinstance(value, dict):
-        bad.report("not a JSON object", f"{location}: not a JSON object (got {json_type(value)})")
-        return None
-    return value
-
-
-def _at_column(error: json.JSONDecodeError) -> str:
-    return f"{error.msg.removesuffix(' at')} at column {error.colno}"  # "Unterminated string starting at"
-
-
-def _json_limit(error: Exception) -> str:
-    if isinstance(error, RecursionError):
-        return "nested too deeply"
-    return first_line(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
 
 
 # Line-based files: jsonl and text lines (a record per non-blank line), text paragraphs (a record per run of
@@ -350,10 +327,10 @@ def _load_json(path: Path, bad: BadData) -> list | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        bad.report("malformed JSON", f"{path}:{e.lineno}: malformed JSON ({_at_column(e)})")
+        bad.report("malformed JSON", f"{path}:{e.lineno}: malformed JSON ({json_error(e)})")
         return None
     except (RecursionError, ValueError) as e:
-        bad.report("malformed JSON", f"{path}: malformed JSON ({_json_limit(e)})")
+        bad.report("malformed JSON", f"{path}: malformed JSON ({json_error(e)})")
         return None
     if isinstance(value, dict) and len(value) == 1 and isinstance(next(iter(value.values())), list):
         value = next(iter(value.values()))

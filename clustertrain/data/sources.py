@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
-from clustertrain.config.schema import FILE_FORMATS, SourceConfig
+from clustertrain.config.data_schema import FILE_FORMATS, SourceConfig
 from clustertrain.data import columnar, readers, staged
-from clustertrain.data.readers import BadData, Row, Shard, check_text, json_type, special_kind
+from clustertrain.data.readers import BadData, Row, Shard, check_text, special_kind
 from clustertrain.errors import DataError
+from clustertrain.files import json_type
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from pathlib import Path
 from clustertrain.data.stage_source import (Origin, StageRequest, find_origin, hub_revision, local_files,
                                             open_stream, texts_of)
 from clustertrain.data.staged import MANIFEST, MANIFEST_FORMAT, TEXT_COLUMN, is_staged, read_manifest
-from clustertrain.errors import DataError, UserError
+from clustertrain.errors import DataError, ExitCode, UserError
 from clustertrain.files import write_atomic
 
 CHUNK_ROWS = 1000  # rows read and tokenized at a time
@@ -47,7 +47,7 @@ IDENTITY = ("source", "subset", "split", "text_field", "max_rows", "max_tokens",
 class StageWriteFailed(DataError):
     """The disk or the quota filled while staging: exit 74 (EX_IOERR), as for a failed checkpoint save or export."""
 
-    exit_code = 74
+    exit_code = ExitCode.SAVE_FAILED
 
 
 @contextlib.contextmanager
@@ -146,7 +146,7 @@ def run_tokenizer(path: str | None):
     """The tokenizer in folder `path` as a run loads it (its checks included), or None."""
     if not path:
         return None
-    from clustertrain.config.schema import DataConfig
+    from clustertrain.config.data_schema import DataConfig
     from clustertrain.data.tokenize import load_tokenizer
 
     try:
@@ -219,17 +219,39 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
         on_shard: called with the manifest after each shard is listed.
     """
     check_request(request)
+    origin, manifest = start_point(request)
+    if manifest["complete"]:
+        return manifest
+    ended_by = write_shards(request, origin, manifest, progress, on_shard)
+    if not manifest["shards"]:
+        raise DataError(f"{request.source}: split '{request.split}' holds no rows")
+    if not manifest["complete"]:  # the source ended at a shard's end
+        manifest.update(complete=True, ended_by=ended_by, resume_state=None)
+        save_manifest(request.out, manifest)
+    return manifest
+
+
+def start_point(request: StageRequest) -> tuple[Origin, dict]:
+    """The source, pinned, and the manifest to go on from: the one a stopped stage left in `request.out` (its
+    shards that were never listed removed), or a new one, written with the first shard (so that a stage refused
+    before it leaves no folder behind)."""
     origin = find_origin(request.source)
     manifest = existing_manifest(request, origin)
-    if manifest is not None and manifest["complete"]:
-        return manifest
-    if manifest is None:  # written with the first shard: a stage refused before it leaves no folder behind
+    if manifest is None:
         if origin.kind == "hub":
             origin = Origin(origin.kind, origin.name, revision=hub_revision(origin.name))
-        manifest = new_manifest(request, origin)
-    else:
+        return origin, new_manifest(request, origin)
+    if not manifest["complete"]:
         origin = Origin(origin.kind, origin.name, manifest["revision"], origin.fingerprint)  # pinned at the start
         remove_unlisted(request.out, manifest)
+    return origin, manifest
+
+
+def write_shards(request: StageRequest, origin: Origin, manifest: dict,
+                 progress: Callable[[int, int | None, int], None] | None, on_shard: Callable[[dict], None] | None
+                 ) -> str:
+    """Read the source from where `manifest` ends and list each shard in it as it is written, until a limit
+    (max_rows, max_tokens) or the source's end; returns which of them ended the stage."""
     tokenizer = run_tokenizer(request.tokenizer)
     rows, tokens = totals(manifest)
     stream = open_stream(origin, request, manifest["resume_state"])
@@ -264,12 +286,7 @@ def stage_dataset(request: StageRequest, *, progress: Callable[[int, int | None,
             shard_texts, shard_tokens = [], 0
             if on_shard:
                 on_shard(manifest)
-    if not manifest["shards"]:
-        raise DataError(f"{request.source}: split '{request.split}' holds no rows")
-    if not manifest["complete"]:  # the source ended at a shard's end
-        manifest.update(complete=True, ended_by=ended_by, resume_state=None)
-        save_manifest(request.out, manifest)
-    return manifest
+    return ended_by
 
 
 def describe_stage(request: StageRequest) -> list[str]:

@@ -9,8 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from clustertrain.data.readers import check_json_lines, check_text, json_type
+from clustertrain.data.readers import check_json_lines, check_text
 from clustertrain.errors import DataError, UserError, first_line
+from clustertrain.files import json_type
 
 FINGERPRINT_BYTES = 1 << 20  # of each local file, its first and last MiB are hashed (with its name and size)
 FILE_BUILDERS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".ndjson": "json", ".csv": "csv",

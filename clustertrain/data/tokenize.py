@@ -11,13 +11,14 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.config.remote_code import custom_code
-from clustertrain.config.schema import DataConfig
 from clustertrain.data.plan import text_pieces
-from clustertrain.data.readers import check_text, json_type
+from clustertrain.data.readers import check_text
 from clustertrain.data.sources import open_source, text_of
 from clustertrain.data.tokens import is_token_source
 from clustertrain.errors import DataError, first_line
+from clustertrain.files import json_type
 
 EOS = "<|endoftext|>"
 

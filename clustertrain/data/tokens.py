@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clustertrain.config.schema import SourceConfig
+from clustertrain.config.data_schema import SourceConfig
 from clustertrain.data.sources import Document, regular_files
 from clustertrain.errors import DataError
 

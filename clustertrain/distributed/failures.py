@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from clustertrain.errors import UserError
+from clustertrain.errors import ExitCode, UserError
 
 _PREFIX = "clustertrain/failures/"
 _SHOWN = _PREFIX + "shown"  # the rank that showed an error on the terminal
@@ -55,7 +55,7 @@ class RankFailure:
     def of(cls, rank: int, error: BaseException) -> RankFailure:
         user = isinstance(error, UserError)
         message = str(error) if user else (str(error).strip().splitlines() or [""])[0][:300]
-        return cls(rank, time.time(), type(error).__name__, message, error.exit_code if user else 1, user)
+        return cls(rank, time.time(), type(error).__name__, message, error.exit_code if user else ExitCode.FAILED, user)
 
     def __str__(self) -> str:  # for status.json
         if self.rank == VANISHED:  # the message names the rank; the kind is only what the reporter saw of it
@@ -135,7 +135,7 @@ def _vanished_peer(own: RankFailure, say: bool, vanished: Callable[[], str | Non
     named = vanished() if vanished else None
     failure = RankFailure(VANISHED, own.time, own.kind, named or f"rank {own.rank} lost its connection to another "
                           "rank, which stopped without reporting an error (killed? out of memory?); its launcher's "
-                          "output names it", exit_code=1, user=False, shown=True)
+                          "output names it", exit_code=ExitCode.FAILED, user=False, shown=True)
     if say:
         print(f"error: {failure.line()}", file=sys.stderr, flush=True)
     return failure

@@ -1,8 +1,9 @@
 """The checked layout -> named DeviceMesh. The only place that computes which rank is in which group.
 
-The world is laid out as (pp, dp_replicate, dp_shard, tp), tp innermost, so tensor-parallel peers are
-neighbouring ranks (the same node, when tp fits in one). The degrees come from the one Layout that
-clustertrain.config.checks resolved before the process group started; nothing here works them out again.
+The world is laid out along clustertrain.config.layout.DIMS, in its order (tp innermost, so tensor-parallel
+peers are neighbouring ranks: the same node, when tp fits in one), one named mesh dimension each. The degrees
+come from the one Layout that clustertrain.config.layout resolved before the process group started; nothing
+here works them out again.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from clustertrain.config.checks import Layout
-
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+from clustertrain.config.layout import DIMS, Layout
 
 
 @dataclass
@@ -25,21 +24,9 @@ class Mesh:
     device_mesh: DeviceMesh  # DIMS
     dp_mesh: DeviceMesh  # the data-parallel ranks as one dimension
 
-    @property
-    def pp(self) -> int:
-        return self.layout.pp
-
-    @property
-    def dp_replicate(self) -> int:
-        return self.layout.dp_replicate
-
-    @property
-    def dp_shard(self) -> int:
-        return self.layout.dp_shard
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
+    def degree(self, dim: str) -> int:
+        """The ranks along dimension `dim` (one of clustertrain.config.layout.DIMS)."""
+        return self.layout.degree(dim)
 
     @property
     def dp_size(self) -> int:
@@ -71,11 +58,11 @@ class Mesh:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        return self.pp_rank == self.degree("pp") - 1
 
     def shard_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: dp_shard, or (dp_replicate, dp_shard) when both are used (hybrid)."""
-        if self.dp_replicate > 1:
+        if self.degree("dp_replicate") > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
 
@@ -90,8 +77,8 @@ def build_mesh(layout: Layout, device_type: str) -> Mesh:
     data-parallel group is the dp_shard or dp_replicate group when the other is 1, and a group of its own
     only when both are used.
     """
-    replicate, shard = layout.dp_replicate, layout.dp_shard
-    device_mesh = init_device_mesh(device_type, (layout.pp, replicate, shard, layout.tp), mesh_dim_names=DIMS)
+    replicate, shard = layout.degree("dp_replicate"), layout.degree("dp_shard")
+    device_mesh = init_device_mesh(device_type, tuple(layout.degree(dim) for dim in DIMS), mesh_dim_names=DIMS)
     if replicate > 1 and shard > 1:
         dp_mesh = device_mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torchtitan's way; no public API yet
     else:

@@ -4,7 +4,7 @@ Slurm warns a job before killing it (SIGUSR1 from `--signal`, SIGTERM on preempt
 time limit); a user presses Ctrl-C (SIGINT). The CLI listens from the first instant of the process
 (`listen_early`), the trainer takes over (`StopRequests`); a warning may reach only some ranks, so ranks
 agree on a step boundary (one tiny all-reduce on a CPU group, at log steps and about every AGREE_EVERY_S
-seconds between them), all save the same step, and the run ends with `Preempted`: exit REQUEUE_EXIT_CODE,
+seconds between them), all save the same step, and the run ends with `Preempted`: exit ExitCode.REQUEUE,
 status `preempted`.
 
 Only the standard library is imported here at first: the CLI listens before torch loads (a second or more).
@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-REQUEUE_EXIT_CODE = 75  # EX_TEMPFAIL, "try again later": the run saved and stopped on purpose; requeue it
+from clustertrain.errors import ExitCode
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)  # save and stop; a second SIGINT: stop now
 # Between log steps, ranks agree on stopping about this often: far inside Slurm's warning (slurm.signal_before) and
 # train.walltime_margin, and rare enough that the agreement, which waits for the slowest of all ranks (tens of ms
@@ -59,11 +60,11 @@ def listen_early() -> Iterator[EarlySignals]:
 class Preempted(Exception):
     """Training stopped early on a signal or the walltime, after saving; the launcher should requeue."""
 
-    exit_code = REQUEUE_EXIT_CODE
+    exit_code = ExitCode.REQUEUE
 
     def __init__(self, reason: str, step: int, checkpoint: Path | None):
-        super().__init__(f"stopped by {reason} at step {step}"
-                         + (f" after saving {checkpoint}" if checkpoint else "") + f"; exit {REQUEUE_EXIT_CODE} = requeue me")
+        saved = f" after saving {checkpoint}" if checkpoint else ""
+        super().__init__(f"stopped by {reason} at step {step}{saved}; exit {ExitCode.REQUEUE} = requeue me")
         self.checkpoint = checkpoint
 
 

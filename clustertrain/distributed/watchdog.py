@@ -9,10 +9,10 @@ Each rank runs a thread that
 
 On a hang each live rank writes every thread's Python stacks (and on NCCL the flight recorder's record) into
 `hang/` and marks its heartbeat "hung"; the first also writes `hang/began.json`. The lowest rank still beating
-waits until every other rank has done the same or has stopped beating, then names the stuck rank (`diagnose`)
+waits until every other rank has done the same or has stopped beating, then names the stuck rank (hang_report)
 in one line, in `hang/report.json` and, by the trainer's `on_hang`, in status.json; the others wait for that
 report (reading only the heartbeats below them, up to the first live one: a few files each, not world² reads at
-scale). Every rank exits with HANG_EXIT_CODE, which the Slurm path requeues. A rank whose collective breaks
+scale). Every rank exits with ExitCode.HUNG (76), which the Slurm path requeues. A rank whose collective breaks
 because a peer ended for a hang joins it (`join_hang`, from `hang/began.json`), and a rank that died without a
 word (SIGKILL, the OOM killer) is named by its missing heartbeat (`vanished`).
 
@@ -42,10 +42,11 @@ from typing import Any
 from clustertrain.config.schema import WatchdogConfig
 from clustertrain.distributed.env import node_name
 from clustertrain.distributed.spawn import end_descendants
+from clustertrain.errors import ExitCode
+from clustertrain.distributed.hang_report import age, diagnose, host_pid, phase_of
 from clustertrain.files import read_json_object, write_atomic
 from clustertrain.run_dir import RunDir
 
-HANG_EXIT_CODE = 76  # the watchdog ended a hung run: requeue it, it resumes from its last checkpoint
 STALE_BEATS = 2.5  # a heartbeat unchanged for this many periods is stale: its rank is stopped, dead or cut off
 SUSPEND_GAP_S = 2.0  # the thread woke this much later than it asked, the process idle: it was stopped
 VANISHED_WAIT_S = 5.0  # how long rank 0 looks for a dead peer before it reports: launchers end it soon after
@@ -57,7 +58,7 @@ class Watchdog:
     (`step_done`), starts the heartbeat files once the run has started (`start_beating`) and closes it last.
 
     Example:
-        >>> watchdog = Watchdog(config.watchdog, RunDir(run_dir), rank=0, world_size=2, on_hang=record)
+        >>> watchdog = Watchdog(config.watchdog, files, rank=0, world_size=2, on_hang=record)  # files: the RunDir
         >>> watchdog.phase("step", 1)
     """
 
@@ -194,7 +195,7 @@ class Watchdog:
 
     def _end_hung(self, why: str) -> None:
         """Write this rank's stacks, report (the lowest rank still beating) or wait for the report, and exit
-        HANG_EXIT_CODE."""
+        ExitCode.HUNG."""
         self.hung = True
         self._hang_began = time.time()
         self.run.hang.mkdir(parents=True, exist_ok=True)
@@ -216,7 +217,7 @@ class Watchdog:
             sys.stdout.flush()
             sys.stderr.flush()
         end_descendants()  # os._exit skips the DataLoader's shutdown: its workers would live on, orphaned
-        os._exit(HANG_EXIT_CODE)
+        os._exit(ExitCode.HUNG)
 
     def _hung_below(self, watch: _Staleness) -> int | None:
         """A lower rank that is hung too, which reports (or defers to a rank below it); None when every lower rank
@@ -285,8 +286,8 @@ class Watchdog:
             others_ended = len(beats) == self.world_size and len(running) == 1
             gone = sorted({*dead, *(r for r in stale if r in running), *(running if others_ended else ())})
             if gone:
-                return "; ".join(f"rank {r} ({_host_pid(beats[r])}) died without a word (its last heartbeat, "
-                                 f"{_age(beats[r])} s ago, in {_phase_of(beats[r])}; killed? out of memory? see "
+                return "; ".join(f"rank {r} ({host_pid(beats[r])}) died without a word (its last heartbeat, "
+                                 f"{age(beats[r])} s ago, in {phase_of(beats[r])}; killed? out of memory? see "
                                  "`dmesg` on its host)" for r in gone)
             if not running:
                 return None  # every peer said how it ended
@@ -317,56 +318,6 @@ class _Staleness:
         return sorted(r for r in {*beats, *self.seen} - {me} if self.stale(r, beats.get(r, {})))
 
 
-def diagnose(beats: dict[int, dict[str, Any]], stale: list[int], world_size: int, me: int, why: str
-             ) -> dict[str, Any]:
-    """Who is stuck, from every rank's last heartbeat: ranks that stopped beating (in the step the others wait
-    in, where their heartbeat lags behind it); else ranks outside a collective while others wait in one; else the
-    ranks behind the others' step; else ranks outside any collective; else none (all wait)."""
-    missing = [r for r in range(world_size) if r not in beats]
-    silent = sorted({*stale, *missing})
-    live = {r: b for r, b in beats.items() if r not in silent}
-    busy = [r for r, b in live.items() if not b.get("waiting")]
-    waiting = [r for r, b in live.items() if b.get("waiting")]
-    steps = {b.get("step", 0) for b in live.values()}
-    mine = beats.get(me, {})
-    if silent:
-        stuck = silent
-        ahead = max(live.values(), key=lambda b: b.get("step", 0), default={})  # where the others wait for it
-        what = "; ".join(_stopped(r, beats[r], ahead) if r in beats else f"rank {r} never beat" for r in silent)
-        what += " (stopped, killed, or its node hangs)"
-    elif busy and waiting:
-        stuck = sorted(busy)
-        what = _stuck_at(live, stuck) + f", while {_ranks(waiting)} {_verb(waiting, 'waits', 'wait')} in a collective"
-    elif len(steps) > 1:
-        stuck = sorted(r for r, b in live.items() if b.get("step", 0) == min(steps))
-        what = (f"{_ranks(stuck)} {_verb(stuck, 'is', 'are')} behind, in step {min(steps)}, "
-                f"the others in step {max(steps)}")
-    elif busy:  # a single rank, or every rank stuck outside the collectives (a frozen file system)
-        stuck = sorted(busy)
-        what = _stuck_at(live, stuck) + ", outside any collective"
-    else:
-        stuck = []
-        what = "every rank waits in a collective (a deadlock or a network fault: see the stacks)"
-    hosts = sorted({beats[r]["host"] for r in stuck if r in beats and beats[r].get("host")})
-    return {"time": time.time(), "line": f"hang: {what}; rank {me} waited {why}; stacks in the run's hang/ folder",
-            "stuck_ranks": stuck, "stuck_hosts": hosts, "phase": mine.get("phase"), "step": mine.get("step"),
-            "reporter": me}
-
-
-def _stuck_at(live: dict[int, dict[str, Any]], stuck: list[int]) -> str:
-    return "; ".join(f"rank {r} ({_host_pid(live[r])}) is stuck in {_phase_of(live[r])} at {live[r]['where']}"
-                     for r in stuck)
-
-
-def _stopped(rank: int, beat: dict[str, Any], ahead: dict[str, Any]) -> str:
-    """A silent rank, in the step the others wait in when its heartbeat (written every few seconds) lags."""
-    said = f"rank {rank} ({_host_pid(beat)}) stopped beating {_age(beat)} s ago, in "
-    if ahead.get("step", 0) > beat.get("step", 0):  # the others cannot pass a step's collectives without it
-        return (f"{said}{_phase_of(ahead)}, where the others wait for it, after its last heartbeat from "
-                f"{_phase_of(beat)}")
-    return said + _phase_of(beat)
-
-
 def read_beats(run: RunDir, world_size: int) -> dict[int, dict[str, Any]]:
     """Every rank's last heartbeat that can be read, by rank."""
     return {rank: beat for rank in range(world_size) if (beat := _read(run.heartbeat(rank)))}
@@ -393,27 +344,6 @@ def _describe(frame: FrameType) -> str:
             path = path[path.rindex(root) + 1:]
             break
     return f"{path}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-def _host_pid(beat: dict[str, Any]) -> str:
-    return f"host {beat.get('host', '?')}, pid {beat.get('pid', '?')}"
-
-
-def _phase_of(beat: dict[str, Any]) -> str:
-    phase = beat.get("phase", "?")
-    return f"{phase} {beat.get('step')}" if phase in ("step", "first step") else str(phase)
-
-
-def _age(beat: dict[str, Any]) -> str:
-    return f"{max(0.0, time.time() - beat.get('time', time.time())):.0f}"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, sorted(ranks)))
-
-
-def _verb(ranks: list[int], one: str, many: str) -> str:
-    return one if len(ranks) == 1 else many
 
 
 def _pid_alive(pid: Any) -> bool:

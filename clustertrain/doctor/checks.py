@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from clustertrain.config.schema import DataConfig, RunConfig, SourceConfig
+from clustertrain.config.data_schema import DataConfig, SourceConfig
+
+from clustertrain.config.schema import RunConfig
 from clustertrain.config.slurm_schema import SlurmConfig
 from clustertrain.errors import UserError, first_line
 

@@ -20,9 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from clustertrain.config.layout import DIMS
 from clustertrain.distributed import faults
 from clustertrain.distributed.collectives import time_collective, time_exchange
-from clustertrain.distributed.mesh import DIMS, Mesh
+from clustertrain.distributed.mesh import Mesh
 
 
 def slow_ranks(seconds: list[float], threshold: float, noise: float = 0.0) -> list[int]:

@@ -20,7 +20,7 @@ from clustertrain.doctor.checks import local_checks
 from clustertrain.doctor.measure import matmul_size, measure_dims, noise_floor, time_links, time_matmul
 from clustertrain.doctor.report import diagnose, print_report
 from clustertrain.files import write_atomic
-from clustertrain.train.resolve import resolve_run
+from clustertrain.resolve.run import resolve
 
 
 def sizes(device: torch.device) -> tuple[int, list[int]]:
@@ -35,7 +35,7 @@ def run_doctor(config: RunConfig, config_path: str | None, threshold: float, as_
     """Check and measure this rank with the others; returns 0 when everything passed, 1 otherwise."""
     info = detect_launcher()
     kind = device_type(config.parallel)
-    run = resolve_run(config, info.world_size, info.local_world_size, kind)
+    run = resolve(config, info.world_size, info.local_world_size, kind)
     planned = None
     if kind == "cuda" and info.rank == 0:
         from clustertrain.train.plan_check import plan_run

@@ -23,31 +23,23 @@ from typing import Any
 
 from clustertrain.config.load import dump_config
 from clustertrain.config.schema import RunConfig
-from clustertrain.data.readers import BadData, parse_object
 from clustertrain.distributed.env import expand_hostlist
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
-from clustertrain.distributed.watchdog import HANG_EXIT_CODE
-from clustertrain.errors import DataError, LaunchError, UserError
-from clustertrain.files import read_regular
+from clustertrain.errors import ExitCode, LaunchError, one_line
+from clustertrain.files import append_jsonl, json_value, read_jsonl
 from clustertrain.launch.slurm import render_script
 from clustertrain.run_dir import RunDir
-from clustertrain.train.metrics import json_value
 from clustertrain.train.status import read_status
 
 ACTIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
-USER_ERROR_EXIT_CODE = UserError.exit_code  # a bad config or a missing file: the user's to fix, never retried
 SQUEUE_TIMEOUT_S = 10.0  # squeue retries an unreachable controller for about 9 s, then fails
 SLURM_JOB_ID = re.compile(r"[0-9]{1,20}(?:[_+][0-9]{1,10})?")
 CHAIN_LIMIT = 16 << 20  # bytes of jobs.jsonl: some 80,000 events, far past any chain's restarts
 
 
-def record(run_dir: Path, event: str, **fields: Any) -> dict[str, Any]:
+def record(run: RunDir, event: str, **fields: Any) -> dict[str, Any]:
     """Append one event to the run's job chain."""
     entry = {"event": event, "time": time.time(), **fields}
-    path = RunDir(run_dir).job_chain
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(json.dumps(entry) + "\n")
+    append_jsonl(run.job_chain, entry)
     return entry
 
 
@@ -59,39 +51,26 @@ _FIELD_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
-def read_chain(run_dir: Path) -> list[dict[str, Any]]:
+def read_chain(run: RunDir) -> list[dict[str, Any]]:
     """Every event of the run's job chain, oldest first.
 
     Raises:
         DataError: One line naming the file and line that is not UTF-8, not a JSON object, lacks "event" or
             "job_id", or has a field of another type than clustertrain writes.
     """
-    path = RunDir(run_dir).job_chain
-    try:
-        lines = read_regular(path, CHAIN_LIMIT).splitlines()
-    except FileNotFoundError:
+    if not run.job_chain.exists():  # no job yet; a FIFO, a device or a file too large is named, never blocking
         return []
-    except OSError as e:  # a FIFO or a device there, too large: named, never blocking `status` or a job's end
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
-    chain = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1})") from None
-        event = parse_object(text, where, BadData("error"))
-        for key in ("event", "job_id"):
-            if key not in event:
-                raise DataError(f"{where}: no {key!r}; every event of the Slurm job chain names its event and job")
-        for key, (types, want) in _FIELD_TYPES.items():
-            value = event.get(key)
-            if key in event and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-                raise DataError(f"{where}: {key!r} is {json_value(value)}; it must be a {want}")
-        chain.append(event)
-    return chain
+    return read_jsonl(run.job_chain, CHAIN_LIMIT, CHAIN_LIMIT, check=_check_event)
+
+
+def _check_event(event: dict[str, Any]) -> None:
+    for key in ("event", "job_id"):
+        if key not in event:
+            raise ValueError(f"no {key!r}; every event of the Slurm job chain names its event and job")
+    for key, (types, want) in _FIELD_TYPES.items():
+        value = event.get(key)
+        if key in event and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ValueError(f"{key!r} is {json_value(value)}; it must be a {want}")
 
 
 def restarts(chain: list[dict[str, Any]]) -> int:
@@ -122,39 +101,38 @@ def excluded_nodes(chain: list[dict[str, Any]]) -> list[str]:
 def submit(config: RunConfig, workdir: Path, source: str) -> tuple[str, Path]:
     """Write the config snapshot and job script into the run directory and sbatch it; returns (job id, script)."""
     sbatch = _tool("sbatch")
-    run_dir = (workdir / config.run_dir).resolve()
-    active = [j for j, state in job_states(job_ids(read_chain(run_dir))).items() if state in ACTIVE_STATES]
+    run = RunDir((workdir / config.run_dir).resolve())
+    active = [j for j, state in job_states(job_ids(read_chain(run))).items() if state in ACTIVE_STATES]
     if active:
-        raise LaunchError(f"{run_dir} already has job {active[-1]} queued or running; scancel it or wait for it")
+        raise LaunchError(f"{run.root} already has job {active[-1]} queued or running; scancel it or wait for it")
     config = config.updated(train={"resume": "auto"})  # every restart continues from the newest checkpoint
-    run = RunDir(run_dir)
     snapshot = run.write(run.slurm_config, dump_config(config))
     script = run.write(run.job_script, render_script(config, [str(snapshot)], workdir, source))
     mode = script.stat().st_mode
     script.chmod(mode | (mode & 0o444) >> 2)  # executable by whoever may read it, as the umask says
     result = subprocess.run([sbatch, "--parsable", str(script)], capture_output=True, text=True, cwd=workdir)
     if result.returncode != 0:
-        raise LaunchError(f"sbatch refused {script}: {' '.join(result.stderr.split())}")
+        raise LaunchError(f"sbatch refused {script}: {one_line(result.stderr)}")
     job_id = result.stdout.strip().split(";")[0]
-    record(run_dir, "submitted", job_id=job_id, script=str(script))
+    record(run, "submitted", job_id=job_id, script=str(script))
     return job_id, script
 
 
 # ---- inside the job ---------------------------------------------------------------------------------
-def job_start(run_dir: Path, max_restarts: int, env: Mapping[str, str] = os.environ) -> int:
+def job_start(run: RunDir, max_restarts: int, env: Mapping[str, str] = os.environ) -> int:
     """Record this job's start; refuse (exit 1) once the submission has restarted more than `max_restarts` times."""
     job = env.get("SLURM_JOB_ID", "?")
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    record(run_dir, "started", job_id=job, restart=restart, nodes=env.get("SLURM_JOB_NODELIST"))
-    RunDir(run_dir).user_error_note.unlink(missing_ok=True)  # an earlier job's
-    count = restarts(read_chain(run_dir))
+    record(run, "started", job_id=job, restart=restart, nodes=env.get("SLURM_JOB_NODELIST"))
+    run.user_error_note.unlink(missing_ok=True)  # an earlier job's
+    count = restarts(read_chain(run))
     if count > max_restarts:
         print(f"clustertrain: not starting: this submission has restarted {count} times "
               f"(slurm.max_restarts = {max_restarts}); look at the logs, then submit again", flush=True)
-        record(run_dir, "ended", job_id=job, restart=restart, exit_code=1, outcome="gave-up")
-        return 1
+        record(run, "ended", job_id=job, restart=restart, exit_code=ExitCode.FAILED, outcome="gave-up")
+        return ExitCode.FAILED
     print(f"clustertrain: job {job} (restart {count}) on {env.get('SLURM_JOB_NODELIST', '?')}", flush=True)
-    return 0
+    return ExitCode.OK
 
 
 @dataclass(frozen=True)
@@ -189,16 +167,16 @@ def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_i
         return Decision("stopped", f"stopped at step {status.get('step')} as train.stop_after_steps asks; "
                                    "not requeued")
     exclude, named_by, retry = (), "", False
-    if state == "hung" or (exit_code == HANG_EXIT_CODE and not mine):  # the watchdog's exit, its report lost
+    if state == "hung" or (exit_code == ExitCode.HUNG and not mine):  # the watchdog's exit, its report lost
         why = (f"the run hung at step {status.get('step')}" + (f" ({status['error']})" if status.get("error") else "")
-               if state == "hung" else f"the watchdog ended a hang (exit code {HANG_EXIT_CODE})")
+               if state == "hung" else f"the watchdog ended a hang (exit code {ExitCode.HUNG})")
         exclude, named_by = _hosts(status.get("stuck_hosts") if mine else None, bad_hosts), "the hang watchdog"
     elif state == "preempted":
         why = f"stopped by {status.get('reason')} at step {status.get('step')}"
-    elif exit_code == REQUEUE_EXIT_CODE or (signalled and state != "failed"):
+    elif exit_code == ExitCode.REQUEUE or (signalled and state != "failed"):
         why = "stopped by Slurm's warning signal"
     elif ((not mine or (state == "failed" and status.get("before_start")))
-          and exit_code not in (0, USER_ERROR_EXIT_CODE) and max_start_retries > 0):
+          and exit_code not in (ExitCode.OK, ExitCode.USER_ERROR) and max_start_retries > 0):
         why = f"the run failed before its first step (exit code {exit_code}" + (
             f": {status['error']})" if mine and status.get("error") else ", no status.json of this job)")
         exclude, named_by, retry = _hosts(bad_hosts), "clustertrain doctor", True
@@ -220,10 +198,10 @@ def decide(status: dict[str, Any] | None, exit_code: int, signalled: bool, job_i
     return Decision("requeue", f"{why}; requeue {restarts_so_far + 1} of at most {max_restarts}", exclude, named_by)
 
 
-def _user_error(run_dir: Path) -> str | None:
+def _user_error(run: RunDir) -> str | None:
     """The user error a rank of this job noted (errors.note_user_error), if any."""
     try:
-        return RunDir(run_dir).user_error_note.read_text().strip() or "a user error"
+        return run.user_error_note.read_text().strip() or "a user error"
     except (OSError, UnicodeDecodeError):
         return None
 
@@ -234,11 +212,10 @@ def _hosts(*lists: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def doctor_bad_hosts(run_dir: Path) -> list[str]:
+def doctor_bad_hosts(run: RunDir) -> list[str]:
     """The hosts `clustertrain doctor` found bad during this job, from <run_dir>/doctor.json: only a report
     written since the job's `started` event (the last write to the chain before job-end), so an earlier job's
     findings exclude nothing. Both times are the file system's, so the nodes' clocks do not matter."""
-    run = RunDir(run_dir)
     try:
         if run.doctor.stat().st_mtime < run.job_chain.stat().st_mtime:
             return []
@@ -248,22 +225,22 @@ def doctor_bad_hosts(run_dir: Path) -> list[str]:
     return list(_hosts(report.get("bad_hosts") if isinstance(report, dict) else None))
 
 
-def job_end(run_dir: Path, exit_code: int, signalled: bool, on_stop: str, max_restarts: int,
+def job_end(run: RunDir, exit_code: int, signalled: bool, on_stop: str, max_restarts: int,
             max_start_retries: int = 0, env: Mapping[str, str] = os.environ) -> int:
     """Decide, record and act at the end of a job; returns the batch script's exit code."""
     job = env.get("SLURM_JOB_ID", "?")
     restart = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-    chain = read_chain(run_dir)
-    decision = decide(read_status(run_dir), exit_code, signalled, job, restart, restarts(chain), max_restarts, on_stop,
-                      start_retries=start_retries(chain), max_start_retries=max_start_retries,
-                      bad_hosts=doctor_bad_hosts(run_dir), user_error=_user_error(run_dir))
+    chain = read_chain(run)
+    decision = decide(read_status(run), exit_code, signalled, job, restart, restarts(chain), max_restarts,
+                      on_stop, start_retries=start_retries(chain), max_start_retries=max_start_retries,
+                      bad_hosts=doctor_bad_hosts(run), user_error=_user_error(run))
     print(f"clustertrain: job {job}: {decision.message}", flush=True)
     fields: dict[str, Any] = dict(job_id=job, restart=restart, exit_code=exit_code, signalled=signalled)
     if decision.outcome not in ("requeue", "retry"):
-        record(run_dir, "ended", **fields, outcome=decision.outcome)
+        record(run, "ended", **fields, outcome=decision.outcome)
         if decision.outcome == "finished":
-            return 0
-        return exit_code if decision.outcome == "stopped" else (exit_code or 1)
+            return ExitCode.OK
+        return exit_code if decision.outcome == "stopped" else (exit_code or ExitCode.FAILED)
     exclude = _exclusion(job, decision.exclude, decision.named_by) if decision.exclude else []
     if exclude:
         fields["excluded"] = ",".join(exclude)
@@ -277,14 +254,14 @@ def job_end(run_dir: Path, exit_code: int, signalled: bool, on_stop: str, max_re
         if result.returncode == 0:
             if exclude and not _update_exclusion(job, exclude):
                 del fields["excluded"]
-            record(run_dir, "ended", **fields, outcome=outcome)
-            return 0
-        print(f"clustertrain: scontrol requeue failed ({' '.join(result.stderr.split())}); "
+            record(run, "ended", **fields, outcome=outcome)
+            return ExitCode.OK
+        print(f"clustertrain: scontrol requeue failed ({one_line(result.stderr)}); "
               "submitting a follow-up job instead", flush=True)
     next_job = _submit_follow_up(job, exclude)
-    record(run_dir, "ended", **fields, outcome="resubmitted" if outcome == "requeued" else outcome, next_job=next_job)
+    record(run, "ended", **fields, outcome="resubmitted" if outcome == "requeued" else outcome, next_job=next_job)
     print(f"clustertrain: submitted follow-up job {next_job} (after {job})", flush=True)
-    return 0
+    return ExitCode.OK
 
 
 def _exclusion(job: str, hosts: Sequence[str], named_by: str) -> list[str]:
@@ -324,7 +301,7 @@ def _update_exclusion(job: str, nodes: list[str]) -> bool:
                             capture_output=True, text=True)
     if result.returncode != 0:
         print(f"clustertrain: job {job}: Slurm refused to exclude {','.join(nodes)} "
-              f"({' '.join((result.stderr or result.stdout).split())}); requeued without excluding them", flush=True)
+              f"({one_line(result.stderr or result.stdout)}); requeued without excluding them", flush=True)
     return result.returncode == 0
 
 
@@ -338,7 +315,7 @@ def _submit_follow_up(job: str, exclude: list[str]) -> str:
     result = subprocess.run([_tool("sbatch"), "--parsable", f"--dependency=afterany:{job}", *options, script[1]],
                             capture_output=True, text=True)
     if result.returncode != 0:
-        raise LaunchError(f"sbatch of the follow-up job failed: {' '.join(result.stderr.split())}")
+        raise LaunchError(f"sbatch of the follow-up job failed: {one_line(result.stderr)}")
     return result.stdout.strip().split(";")[0]
 
 

@@ -2,8 +2,9 @@
 
 The built-in presets are YAML files beside this module; a user's own preset is a file of the same form,
 named by path in `slurm.preset`. Each preset lists the documents its values come from. A preset may also
-describe its accelerators (`hardware:`: memory, peak TFLOPS, interconnect bandwidth), the numbers
-`clustertrain plan` estimates memory and step time from; the YAML files are the one place they are kept.
+describe its accelerators (`hardware:`), for `clustertrain plan`: the device, a key of the hardware catalogue
+(`clustertrain/hardware.py`, which holds its memory and peak TFLOPS), and the cluster's interconnect bandwidths,
+which are the preset's own.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from clustertrain.config.load import load_yaml, read_utf8
 from clustertrain.config.slurm_schema import MAX_PER_NODE
-from clustertrain.errors import ConfigError
+from clustertrain.errors import ConfigError, one_line
+from clustertrain.hardware import CATALOGUE_BY_KEY, DTYPE_NAMES, EFFICIENCY, Accelerator
 
 PRESET_DIR = Path(__file__).parent / "presets"
 
@@ -25,13 +27,16 @@ PRESET_DIR = Path(__file__).parent / "presets"
 class Hardware(BaseModel):
     """One accelerator of the cluster's nodes: one torch device, which is one rank (an MI250X GCD, not the MI250X).
 
-    Vendors' peak figures, not measurements: a planner scales them by its own efficiency factors.
+    `device` names a key of the hardware catalogue (`clustertrain/hardware.py`), which fills in what the device
+    is, its memory and its peaks; a device the catalogue lacks gives them here. Vendors' peak figures, not
+    measurements: a planner scales them by the expected `efficiency`.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     device: str = Field(
-        min_length=1, description='What one device is, e.g. "AMD MI250X GCD" or "NVIDIA H100 SXM5 80GB".'
+        min_length=1, description='A catalogue key, e.g. "mi250x-gcd" or "h100-sxm" (then "AMD MI250X GCD", "NVIDIA '
+        'H100 SXM5 80GB"), or what one device the catalogue lacks is.'
     )
     device_type: Literal["cuda", "cpu"] = Field(
         "cuda", description='torch\'s device type for it ("cuda" on NVIDIA and on ROCm builds alike).'
@@ -50,7 +55,34 @@ class Hardware(BaseModel):
         gt=0, description="GB/s per direction per device across nodes: the node's injection bandwidth divided by "
         "its devices.",
     )
-    sources: list[str] = Field(min_length=1, description="URLs or document names the numbers come from.")
+    efficiency: float = Field(EFFICIENCY, gt=0, le=1, description="The fraction of the peak FLOP/s a step's "
+                              "matmuls are expected to reach.")
+    sources: list[str] = Field(min_length=1, description="URLs or document names the numbers come from (for a "
+                               "catalogue device, the catalogue first).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_catalogue(cls, data: object) -> object:
+        """A catalogue key as `device`: its name, memory and peaks, with the catalogue as a source; numbers given
+        here win."""
+        device = data.get("device") if isinstance(data, dict) else None
+        known = CATALOGUE_BY_KEY.get(device) if isinstance(device, str) else None
+        if known is None:
+            return data
+        peaks = {dtype: known.peak_flops(dtype) / 1e12 for dtype in DTYPE_NAMES if known.peak_flops(dtype)}
+        filled = {"device_type": known.device_type, "memory_gb": known.memory_gb, "peak_tflops": peaks,
+                  "efficiency": known.efficiency}
+        sources = data.get("sources", [])  # not a list: left for the field to refuse
+        if isinstance(sources, list):
+            sources = [f"the hardware catalogue, clustertrain/hardware.py: {known.key}", *sources]
+        return {**{k: v for k, v in filled.items() if v is not None}, **data, "device": known.name, "sources": sources}
+
+    @property
+    def accelerator(self) -> Accelerator:
+        """This device as the catalogue describes devices, with this preset's numbers."""
+        peak = {dtype: self.peak_tflops[dtype] * 1e12 if dtype in self.peak_tflops else None for dtype in DTYPE_NAMES}
+        return Accelerator(self.device, self.device, (), self.memory_gb, peak["bfloat16"], peak["float32"],
+                           peak["float16"], self.efficiency, self.device_type)
 
 
 class Preset(BaseModel):
@@ -113,7 +145,7 @@ def load_preset(name_or_path: str) -> Preset:
         data = load_yaml(read_utf8(path, "slurm.preset: file"), f"slurm.preset: {path}") or {}
         return Preset.model_validate(data)
     except yaml.YAMLError as e:
-        raise ConfigError(f"slurm.preset: {path} is not valid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"slurm.preset: {path} is not valid YAML: {one_line(e)}") from None
     except ValidationError as e:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"slurm.preset: {path}: {problems}") from None

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import yaml
 
-from clustertrain.config.checks import check_world, resolve_layout
+from clustertrain.config.layout import check_world, resolve_layout
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import ConfigError, DataError, LaunchError
 from clustertrain.launch import jobs
 from clustertrain.launch.slurm import job_spec
 from clustertrain.run_dir import RunDir
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.metrics import read_metrics
 
 
 def parse_counts(text: str) -> list[int]:
@@ -50,11 +50,11 @@ def scaling_configs(config: RunConfig, counts: list[int], steps: int | None, wor
     if base.train.grad_accum is not None:  # the batch per rank would grow with the ranks: pin the largest's
         layout = resolve_layout(base, counts[-1] * tasks, tasks)
         base = base.updated(train={"grad_accum": None, "global_batch_size": layout.global_batch})
-    run_dir = (workdir / base.run_dir).resolve()
+    run = RunDir((workdir / base.run_dir).resolve())
     configs, problems = {}, []
     for nodes in counts:
         each = base.updated(slurm={"nodes": nodes}, name=f"{base.name}-N{nodes}",
-                            train={"run_dir": str(RunDir(run_dir).scaling_run(nodes))})
+                            train={"run_dir": str(run.scaling_run(nodes))})
         problems += [f"{nodes} node(s): {p}" for p in check_world(each, nodes * tasks, tasks)]
         configs[nodes] = each
     if problems:
@@ -90,11 +90,12 @@ def read_scaling(run_dir: Path, warmup_steps: int = 5) -> list[ScalingRow]:
     Tokens/s is the tokens of the measured log intervals over their time (each interval's tokens over its rate),
     so that intervals of different lengths weigh by their time.
     """
-    counts = RunDir(run_dir).scaling_runs()
+    run = RunDir(run_dir)
+    counts = run.scaling_runs()
     if not counts:
         raise LaunchError(f"{run_dir} has no scaling-N<nodes> runs; submit them with "
                           "`clustertrain slurm submit CONFIG --scaling 1,2,4`")
-    measured = {nodes: _throughput(RunDir(run_dir).scaling_run(nodes), warmup_steps) for nodes in counts}
+    measured = {nodes: _throughput(RunDir(run.scaling_run(nodes)), warmup_steps) for nodes in counts}
     base = next(((n, tps) for n, (_, _, tps) in measured.items() if tps), None)
     rows = []
     for nodes, (ranks, steps, tps) in measured.items():
@@ -103,10 +104,10 @@ def read_scaling(run_dir: Path, warmup_steps: int = 5) -> list[ScalingRow]:
     return rows
 
 
-def _throughput(sub_run: Path, warmup_steps: int) -> tuple[int | None, int, float | None]:
+def _throughput(sub_run: RunDir, warmup_steps: int) -> tuple[int | None, int, float | None]:
     """(ranks, steps measured, tokens/s) of one run; (ranks, 0, None) before it has logged past the warm-up."""
-    path = RunDir(sub_run).metrics
-    records = [r for r in read_jsonl(path) if r.get("tokens_per_s")] if path.is_file() else []
+    path = sub_run.metrics
+    records = [r for r in read_metrics(path) if r.get("tokens_per_s")] if path.is_file() else []
     ranks = _ranks(sub_run, records)
     tokens = seconds = 0.0
     first_step = None
@@ -122,12 +123,12 @@ def _throughput(sub_run: Path, warmup_steps: int) -> tuple[int | None, int, floa
     return ranks, records[-1]["step"] - first_step, tokens / seconds
 
 
-def _ranks(sub_run: Path, records: list[dict]) -> int | None:
+def _ranks(sub_run: RunDir, records: list[dict]) -> int | None:
     """The run's rank count: from its logged throughput per rank, else from its job's config snapshot."""
     for record in records:
         if record.get("tokens_per_s_per_rank"):
             return round(record["tokens_per_s"] / record["tokens_per_s_per_rank"])
-    snapshot = RunDir(sub_run).slurm_config
+    snapshot = sub_run.slurm_config
     try:
         slurm = yaml.safe_load(snapshot.read_text())["slurm"]
         return slurm["nodes"] * (slurm.get("tasks_per_node") or 1)

@@ -114,12 +114,12 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
     slurm = config.slurm
     preset = load_preset(slurm.preset)
     spec = job_spec(slurm, preset)
-    run_dir = (workdir / config.run_dir).resolve()
+    run = RunDir((workdir / config.run_dir).resolve())
     python = slurm.python or sys.executable
     if slurm.job_name is None and len(config.name) > JOB_NAME_MAX:  # the run name is the job's
         raise ConfigError(f"name: {len(config.name):,} characters is too long for a Slurm job name (at most "
                           f"{JOB_NAME_MAX}); set slurm.job_name, or a shorter name")
-    _check_one_line({"name": config.name, "train.run_dir": str(run_dir), "the working directory": str(workdir),
+    _check_one_line({"name": config.name, "train.run_dir": str(run.root), "the working directory": str(workdir),
                      "the config path": source, "slurm.python": python})
     for argument in train_args:
         _check_one_line({"an argument of clustertrain train": argument})
@@ -128,12 +128,12 @@ def render_script(config: RunConfig, train_args: list[str], workdir: Path, sourc
         cpu_count = "\n" + _fill("cpu-count.sh", tasks_per_node=spec.tasks_per_node)
     return _fill(
         "sbatch.sh", name=repr(config.name), source=source, preset=slurm.preset, description=preset.description,
-        sbatch="\n".join(f"#SBATCH {option}" for option in _sbatch_options(config, spec, run_dir, workdir)),
+        sbatch="\n".join(f"#SBATCH {option}" for option in _sbatch_options(config, spec, run, workdir)),
         cpu_count=cpu_count, environment=_environment(spec), python=shlex.quote(python),
-        run_dir=shlex.quote(str(run_dir)), user_error_note=shlex.quote(str(RunDir(run_dir).user_error_note)),
+        run_dir=shlex.quote(str(run.root)), user_error_note=shlex.quote(str(run.user_error_note)),
         on_stop=slurm.requeue, max_restarts=slurm.max_restarts,
         max_start_retries=slurm.max_start_retries,
-        doctor=_doctor(slurm, spec, train_args, run_dir), launch=_launch(slurm, spec, ["train", *train_args]),
+        doctor=_doctor(slurm, spec, train_args, run), launch=_launch(slurm, spec, ["train", *train_args]),
     )
 
 
@@ -213,13 +213,13 @@ def rank_start_warnings(config_path: str | None, slurm: SlurmConfig, environ: Ma
     return [f"warning: {problem} ({how})" for problem in environment_problems(slurm, environ)]
 
 
-def _doctor(slurm: SlurmConfig, spec: JobSpec, train_args: list[str], run_dir: Path) -> str:
+def _doctor(slurm: SlurmConfig, spec: JobSpec, train_args: list[str], run: RunDir) -> str:
     """With slurm.doctor: the step that runs `clustertrain doctor` on every rank before training, its findings in
     <run_dir>/doctor.json. A failure ends the job before it trains; job-end takes it for a failed start (retried
     without the doctor's bad_hosts, launch/jobs.py)."""
     if not slurm.doctor:
         return ""
-    report = shlex.quote(str(RunDir(run_dir).doctor))
+    report = shlex.quote(str(run.doctor))
     step = _launch(slurm, spec, ["doctor", *train_args, "--output", report], then=' || end_job "$?"')
     return ("# slurm.doctor: check every rank (software, environment, files, matmul, links) before training; a\n"
             f"# failure stops here. See {report}: bad_hosts lists the nodes to --exclude.\n{step}\n")
@@ -255,7 +255,7 @@ def _check_one_line(values: dict[str, str]) -> None:
             raise ConfigError(f"{key} holds the control character {c!r}; use printable characters only")
 
 
-def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Path) -> list[str]:
+def _sbatch_options(config: RunConfig, spec: JobSpec, run: RunDir, workdir: Path) -> list[str]:
     """`--key=value` (quoted) or `--flag` for each #SBATCH line; unset values are left out."""
     slurm = config.slurm
     per_node = 1 if slurm.launcher == "torchrun" else spec.tasks_per_node
@@ -270,7 +270,7 @@ def _sbatch_options(config: RunConfig, spec: JobSpec, run_dir: Path, workdir: Pa
         "cpus-per-task": spec.cpus_per_task * spec.tasks_per_node // per_node if spec.cpus_per_task else None,
         "exclusive": spec.cpus_per_task is None,  # whole nodes, whose cores the script counts
         "time": slurm.time,
-        "output": slurm.output or str(RunDir(run_dir).job_log("%j")),
+        "output": slurm.output or str(run.job_log("%j")),
         "open-mode": "append",  # a requeued job keeps its id and its log: append, do not overwrite
         "chdir": str(workdir.resolve()),
         "signal": f"B:USR1@{slurm.signal_before}",

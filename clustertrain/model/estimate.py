@@ -1,4 +1,5 @@
-"""The model's accounting: parameter counts, training FLOPs per token, peak FLOP/s per device.
+"""The model's accounting: parameter counts, training FLOPs per token, peak FLOP/s per device (from the hardware
+catalogue, `clustertrain/hardware.py`, for GPUs; measured for the CPU).
 
 MFU (model FLOPs utilization, PaLM appendix B) is
 
@@ -17,10 +18,11 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from clustertrain.hardware import find
 
 # Substrings of module names that mark a learned position-embedding table
 # (OPT "embed_positions", BERT "position_embeddings", GPT-2/nanoGPT "wpe").
@@ -213,68 +215,9 @@ def check_memory_floor(floor: dict[str, tuple[float, str]], device: torch.device
                       f"{have / 2**30:,.1f} GiB of this {device.type}: {'; '.join(parts)}; {hint}")
 
 
-class _Peak(NamedTuple):
-    pattern: str  # case-insensitive substring of torch.cuda.get_device_name()
-    bf16: float | None
-    fp32: float | None  # TF32 tensor cores on NVIDIA (Ampere+), FP32 matrix cores on AMD
-    fp16: float | None = None  # None: same as bf16
-
-
-# Dense peak FLOP/s of ONE torch device, no 2:4 sparsity (datasheets print sparse numbers
-# with an asterisk; these are half of those). First match wins, so more specific names
-# come first: "GH200" contains "H200", "GB200" contains "B200", "L40S" contains "L4".
-_PEAKS: tuple[_Peak, ...] = (
-    # NVIDIA H100 datasheet: H100 NVL BF16 1,671* / TF32 835* TFLOPS (per GPU).
-    _Peak("h100 nvl", 835.5e12, 417.5e12),
-    # NVIDIA H100 datasheet: H100 PCIe BF16 1,513* / TF32 756* TFLOPS.
-    _Peak("h100 pcie", 756e12, 378e12),
-    # NVIDIA GH200 datasheet: same Hopper GPU as H100 SXM, BF16 1,979* / TF32 989*.
-    _Peak("gh200", 989e12, 494.5e12),
-    # NVIDIA H100 datasheet: H100 SXM BF16 1,979* / TF32 989* ("NVIDIA H100 80GB HBM3").
-    _Peak("h100", 989e12, 494.5e12),
-    # NVIDIA H200 datasheet: H200 NVL BF16 1,671* / TF32 835*.
-    _Peak("h200 nvl", 835.5e12, 417.5e12),
-    # NVIDIA H200 datasheet: H200 SXM BF16 1,979* / TF32 989*.
-    _Peak("h200", 989e12, 494.5e12),
-    # NVIDIA GB200 NVL72 datasheet: 360 PF BF16* / 180 PF TF32* for 72 GPUs.
-    _Peak("gb200", 2500e12, 1250e12),
-    # NVIDIA HGX B200 datasheet: 36 PF BF16* / 18 PF TF32* for 8 GPUs.
-    _Peak("b200", 2250e12, 1125e12),
-    # NVIDIA A100 datasheet (SXM and PCIe): BF16 312 / TF32 156 dense.
-    _Peak("a100", 312e12, 156e12),
-    # NVIDIA publishes no A10G datasheet; AWS EC2 G5 figures: 70 TFLOPS FP16 tensor, 35 TF32.
-    _Peak("a10g", 70e12, 35e12),
-    # NVIDIA A10 datasheet: BF16 125 / TF32 62.5 dense (after "a100"/"a10g": substring).
-    _Peak("a10", 125e12, 62.5e12),
-    # NVIDIA L40S datasheet: BF16 362.05 / TF32 183 dense.
-    _Peak("l40s", 362.05e12, 183e12),
-    # NVIDIA L40 datasheet: BF16 181.05 / TF32 90.5 dense.
-    _Peak("l40", 181.05e12, 90.5e12),
-    # NVIDIA L4 datasheet: BF16 242* / TF32 120* TFLOPS.
-    _Peak("l4", 121e12, 60e12),
-    # NVIDIA V100 datasheet: FP16 tensor / FP32 TFLOPS, SXM2 125 / 15.7, PCIe 112 / 14,
-    # V100S 130 / 16.4. No BF16 tensor cores (and no TF32), so no bf16 peak.
-    _Peak("v100s", None, 16.4e12, fp16=130e12),
-    _Peak("v100-pcie", None, 14e12, fp16=112e12),
-    _Peak("v100", None, 15.7e12, fp16=125e12),
-    # AMD MI250X datasheet: BF16 383 / FP32 matrix 95.7 TFLOPS for 2 GCDs; one GCD is one
-    # torch device. ROCm may report "AMD Instinct MI250X / MI250": matched as MI250X.
-    _Peak("mi250x", 191.5e12, 47.9e12),
-    # AMD MI250 datasheet: BF16 362.1 / FP32 matrix 90.5 TFLOPS for 2 GCDs.
-    _Peak("mi250", 181.05e12, 45.25e12),
-    # AMD MI210 datasheet: BF16 181 / FP32 matrix 45.3 TFLOPS (one GCD).
-    _Peak("mi210", 181e12, 45.3e12),
-    # AMD MI300X datasheet: BF16 1,307.4 / FP32 matrix 163.4 TFLOPS dense.
-    _Peak("mi300x", 1307.4e12, 163.4e12),
-    # AMD MI300A datasheet: BF16 980.6 / FP32 matrix 122.6 TFLOPS dense.
-    _Peak("mi300a", 980.6e12, 122.6e12),
-    # AMD MI325X datasheet: BF16 1,307.4 / FP32 matrix 163.4 TFLOPS dense.
-    _Peak("mi325x", 1307.4e12, 163.4e12),
-)
-
-
 def peak_flops_for_name(name: str, dtype: torch.dtype) -> float | None:
-    """Dense peak FLOP/s of the accelerator called ``name`` for matmuls in ``dtype``.
+    """Dense peak FLOP/s of the accelerator called ``name`` for matmuls in ``dtype``, from the hardware
+    catalogue (``clustertrain/hardware.py``, where each figure cites its datasheet).
 
     Args:
         name: A device name as ``torch.cuda.get_device_name`` reports it, e.g.
@@ -283,19 +226,10 @@ def peak_flops_for_name(name: str, dtype: torch.dtype) -> float | None:
             NVIDIA, which assumes TF32 matmuls are allowed).
 
     Returns:
-        FLOP/s, or None for an unknown device or a dtype the table has no number for.
+        FLOP/s, or None for an unknown device or a dtype the catalogue has no number for.
     """
-    lowered = name.lower()
-    for row in _PEAKS:
-        if row.pattern in lowered:
-            if dtype == torch.bfloat16:
-                return row.bf16
-            if dtype == torch.float16:
-                return row.fp16 if row.fp16 is not None else row.bf16
-            if dtype == torch.float32:
-                return row.fp32
-            return None
-    return None
+    device = find(name)
+    return device.peak_flops(str(dtype).removeprefix("torch.")) if device else None
 
 
 def peak_flops(device: torch.device | str, dtype: torch.dtype) -> float | None:
@@ -328,9 +262,10 @@ def _measure_cpu_peak(dtype: torch.dtype, num_threads: int, seconds: float) -> f
     # 1024 keeps fp32 matmuls compute-bound; low-precision CPU kernels can be far slower
     # (no AMX/AVX512-BF16), so they get 512 to keep one call short.
     n = 1024 if dtype in (torch.float32, torch.float64) else 512
+    own = torch.Generator().manual_seed(0)  # never the run's: a measurement must not move its dropout masks
     with torch.no_grad():
-        a = torch.randn(n, n, dtype=torch.float32).to(dtype)
-        b = torch.randn(n, n, dtype=torch.float32).to(dtype)
+        a = torch.randn(n, n, dtype=torch.float32, generator=own).to(dtype)
+        b = torch.randn(n, n, dtype=torch.float32, generator=own).to(dtype)
         out = torch.empty(n, n, dtype=dtype)
         torch.matmul(a, b, out=out)  # warm-up: thread pool start, kernel selection
         best = float("inf")

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from clustertrain.data.pack import IGNORE_INDEX
-from clustertrain.errors import ConfigError
+from clustertrain.errors import ConfigError, one_line
 
 
 @dataclass
@@ -132,7 +132,7 @@ def _undone_on_error(model: nn.Module) -> Iterator[None]:
 
 
 def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
+    text = one_line(error)
     return f"{type(error).__name__}: {text[:200]}" if text else type(error).__name__
 
 

@@ -1,28 +1,23 @@
 """What a model config allows and what a layout needs of the model: the model's facts, checked against transformers
 before any process starts (the model's config.json at most, never weights).
 
-    config = load_checked_config("configs/tiny-llama.yaml", ["parallel.tp=2"])   # or one ConfigError, every problem
+    lines = model_config_problems(config)   # one line per problem; clustertrain.resolve.load runs it on every load
     shape = model_shape(config.model, config.data.vocab_size)   # heads, layers, whether tp and pp can split it
-    problems = check_world(config, world_size=8, local_world_size=8, shape=shape)   # clustertrain.config.checks
-
-config/ cannot import model/, so `clustertrain.config.load.load_config` checks the schema alone; every command
-that reads a config reads it with `load_checked_config`, which adds `model_config_problems`.
+    problems = check_world(config, world_size=8, local_world_size=8, shape=shape)   # clustertrain.config.layout
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from transformers import PretrainedConfig
 
-from clustertrain.config.checks import ModelShape
-from clustertrain.config.load import load_config
+from clustertrain.config.layout import ModelShape
 from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import ModelConfig, RunConfig
-from clustertrain.errors import ConfigError
+from clustertrain.errors import ConfigError, one_line
 from clustertrain.model.build import build_hf_config, hf_config_from
 from clustertrain.model.families import Family, Plan, families, family_of
 
@@ -30,18 +25,8 @@ from clustertrain.model.families import Family, Plan, families, family_of
 TP_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 
 
-def load_checked_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """`clustertrain.config.load.load_config` with the model's checks: model.config against the HF config class
-    of model.arch (or of a local snapshot), the model it describes buildable, LoRA's targets its modules.
-
-    Raises:
-        ConfigError: one line per problem, the schema's, the model's and any secrets' together.
-    """
-    return load_config(path, overrides, checks=(model_config_problems,))
-
-
 def model_shape(model: ModelConfig, vocab_size: int) -> ModelShape:
-    """What clustertrain.config.checks needs of a model to check a layout: heads, layers, and whether tp and pp
+    """What clustertrain.config.layout needs of a model to check a layout: heads, layers, and whether tp and pp
     can split its family. From the snapshot's config.json, or model.arch and model.config: no weights, no
     tokenizer (`vocab_size` only completes a from-scratch config; it does not matter to the layout)."""
     config = build_hf_config(model, None, model.config_fields.get("vocab_size", vocab_size))
@@ -198,7 +183,7 @@ def _local_snapshot(config: RunConfig) -> Any:
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - json, unknown model types, the class's own checks
-        return f"config error: model.path: {path / 'config.json'} cannot be read: {' '.join(str(e).split())}"
+        return f"config error: model.path: {path / 'config.json'} cannot be read: {one_line(e)}"
 
 
 # Sizes that must be positive whatever the architecture calls them (GPT-2's n_embd, OPT's ffn_dim, ...).
@@ -272,7 +257,7 @@ def _check_model_values(config: RunConfig, base: Any) -> str | None:
     try:
         _hf_config(config)
     except Exception as e:  # noqa: BLE001 - the HF config class's own checks, of many exception types
-        return f"config error: model.config: {base.model_type} rejects these values: {' '.join(str(e).split())}"
+        return f"config error: model.config: {base.model_type} rejects these values: {one_line(e)}"
     positions = get("max_position_embeddings")
     if positions and config.data.seq_len > positions:
         return (f"config error: data.seq_len = {config.data.seq_len} is longer than {key('max_position_embeddings')} "

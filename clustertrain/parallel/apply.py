@@ -23,15 +23,6 @@ from clustertrain.parallel.tp import apply_tp
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_param_dtype(requested: str, device_type: str) -> str:
-    """`parallel.param_dtype` as it runs on `device_type`: "auto" is bfloat16 on a GPU with bf16 tensor cores,
-    float32 elsewhere (a V100, whose bf16 is emulated; the CPU, where bf16 matmuls are slow); others as given."""
-    if requested != "auto":
-        return requested
-    native_bf16 = device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
-    return "bfloat16" if native_bf16 else "float32"
-
-
 def parallelize(
     model: nn.Module,
     parallel: ParallelConfig,
@@ -45,13 +36,14 @@ def parallelize(
     """Apply the layout to a meta-device `model`, materialize its weights, and return the runner of its parts.
 
     FSDP shards on the meta device first, so `materialize` only ever fills local shards; DDP needs full
-    weights, so it wraps after `materialize`. With `parallel.pp > 1` the model is first cut into this
-    rank's pipeline stages (`blocks` must come from the whole model), each laid out as a whole model would
-    be. Each step runs `microbatches` microbatches of a rank's rows through the parts, with `loss`.
+    weights, so it wraps after `materialize`. With more than one pipeline stage the model is first cut into
+    this rank's stages (`blocks` must come from the whole model), each laid out as a whole model would be.
+    Each step runs `microbatches` microbatches of a rank's rows through the parts, with `loss`. The degrees
+    come from `mesh` alone; `parallel` gives the rest (schedule, checkpointing, compile, dtypes).
     """
     dtype = autocast_dtype(parallel, mesh)
-    if parallel.pp > 1:
-        indices, num_stages = stage_indices(parallel, mesh.pp_rank)
+    if mesh.degree("pp") > 1:
+        indices, num_stages = stage_indices(parallel, mesh)
         stages = [_parallelize(build_stage(model, s, num_stages), parallel, mesh, device, blocks, materialize)
                   for s in indices]
         tie_weights_across_stages(stages, mesh)
@@ -61,7 +53,7 @@ def parallelize(
 
 
 def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Module:
-    if mesh.tp > 1:
+    if mesh.degree("tp") > 1:
         apply_tp(model, mesh.tp_mesh())
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
     if parallel.compile:

@@ -24,20 +24,20 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from clustertrain.config.checks import INTERLEAVED
+from clustertrain.config.layout import INTERLEAVED
 from clustertrain.config.schema import ParallelConfig
 from clustertrain.distributed.collectives import all_reduce
 from clustertrain.distributed.mesh import Mesh
-from clustertrain.parallel.runner import TokenLoss, autocast
+from clustertrain.parallel.runner import ForwardContext, TokenLoss, autocast, no_context
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
-def stage_indices(parallel: ParallelConfig, pp_rank: int) -> tuple[list[int], int]:
-    """The stages this pp rank holds (ascending) and the number of stages in the pipeline."""
+def stage_indices(parallel: ParallelConfig, mesh: Mesh) -> tuple[list[int], int]:
+    """The stages this rank holds (ascending) and the number of stages in the pipeline."""
+    pp = mesh.degree("pp")
     per_rank = parallel.pp_stages_per_rank if parallel.pp_schedule in INTERLEAVED else 1
-    num_stages = parallel.pp * per_rank
-    return list(range(pp_rank, num_stages, parallel.pp)), num_stages
+    return list(range(mesh.pp_rank, pp * per_rank, pp)), pp * per_rank
 
 
 @torch.no_grad()
@@ -46,7 +46,8 @@ def tie_weights_across_stages(stages: list[nn.Module], mesh: Mesh) -> None:
     for stage in stages:
         for head, embedding in stage.tied_names:
             if stage.is_first:
-                dist.send(_local(stage.get_parameter(embedding)), group=mesh.pp_group, group_dst=mesh.pp - 1)
+                last = mesh.degree("pp") - 1  # the pp rank of the last stage
+                dist.send(_local(stage.get_parameter(embedding)), group=mesh.pp_group, group_dst=last)
             elif stage.is_last:
                 dist.recv(_local(stage.get_parameter(head)), group=mesh.pp_group, group_src=0)
 
@@ -66,8 +67,10 @@ class PipelineRunner:
     model = None
 
     def __init__(self, stages: list[nn.Module], parallel: ParallelConfig, mesh: Mesh, device: torch.device,
-                 microbatches: int, loss: TokenLoss, autocast_dtype: torch.dtype | None):
+                 microbatches: int, loss: TokenLoss, autocast_dtype: torch.dtype | None,
+                 forward_context: ForwardContext = no_context):
         self.parts, self.mesh, self.microbatches, self.loss = stages, mesh, microbatches, loss
+        self.forward_context = forward_context  # around a whole step: the schedule splits the rows itself
         self.device, self.autocast_dtype, self.pp_group = device, autocast_dtype, mesh.pp_group
         self.schedule_name = parallel.pp_schedule
         pipes = [PipelineStage(m, m.stage_index, m.num_stages, device, group=mesh.pp_group) for m in stages]
@@ -88,12 +91,12 @@ class PipelineRunner:
         Returns:
             the summed token loss on the last stage, 0 on the others.
         """
-        with self.autocast():
+        with self.autocast(), self.forward_context(batch):
             return self._run(self.schedule.step, batch, scale)
 
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward only: the summed token loss of the batch, on every stage (the last stage's, shared)."""
-        with self.autocast():
+        with self.autocast(), self.forward_context(batch):
             loss = self._run(self.schedule.eval, batch, torch.ones((), device=batch["labels"].device))
         return all_reduce(loss, group=self.pp_group)
 
@@ -101,7 +104,7 @@ class PipelineRunner:
         return autocast(self.device, self.autocast_dtype)
 
     def describe(self) -> str:
-        return (f", pp={self.mesh.pp} {self.schedule_name} x {self.microbatches} microbatches, "
+        return (f", pp={self.mesh.degree('pp')} {self.schedule_name} x {self.microbatches} microbatches, "
                 f"{len(self.parts)} stage(s) per rank")
 
     def train(self, mode: bool = True) -> None:
@@ -134,7 +137,8 @@ class PipelineRunner:
         """Sum the gradients of tied copies between the first and last stage, so both take the same update."""
         if not self._tied:
             return
-        peer = self.mesh.pp - 1 if self.mesh.is_first_stage else 0  # stage 0 on pp rank 0, the last on pp - 1
+        # stage 0 is on pp rank 0, the last stage on pp rank pp - 1
+        peer = self.mesh.degree("pp") - 1 if self.mesh.is_first_stage else 0
         for param in self._tied:
             grad = _local(param.grad)
             theirs = torch.empty_like(grad)

@@ -9,12 +9,14 @@
 `runner.parts` are what the optimizer and checkpoints see (full-model parameter names): the model itself for
 a `LocalRunner` (one process's whole model, plain, DDP, FSDP or tensor-parallel), this rank's stages for the
 pipeline's runner (`clustertrain.parallel.pp.PipelineRunner`). The loss is handed in (`TokenLoss`), so this
-layer never imports the training layer; each runner applies the autocast its layout needs.
+layer never imports the training layer; each runner applies the autocast its layout needs, and enters its
+`forward_context` (a `ForwardContext`, nothing by default) around each forward and its backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -34,6 +36,17 @@ class TokenLoss(Protocol):
         """The summed token loss from a last pipeline stage's output."""
 
 
+# The context a forward and its backward run in, given the rows they take: what context parallelism needs (torch's
+# context_parallel, which shards the batch's tensors along the sequence in place, so they must be the ones forwarded).
+ForwardContext = Callable[[dict[str, torch.Tensor]], contextlib.AbstractContextManager]
+ROW_KEYS = ("input_ids", "labels", "position_ids")  # what a forward takes of a batch, split into microbatches by row
+
+
+def no_context(batch: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager:
+    """The forward context of layouts that need none."""
+    return contextlib.nullcontext()
+
+
 @runtime_checkable
 class Runner(Protocol):
     """This rank's model parts as the training step, the evaluation and the trainer drive them.
@@ -45,6 +58,8 @@ class Runner(Protocol):
         tied_copies: this rank's copies of weights another stage also holds: clipped, but not counted in the norm.
         microbatches: forwards per step, each of an equal share of a rank's rows.
         autocast_dtype: the autocast dtype where no FSDP policy casts, else None.
+        forward_context: entered around each forward (and its backward), given the rows it runs: a
+            microbatch's, or in a pipeline, whose schedule splits them itself, the rank's rows of the step.
     """
 
     parts: list[nn.Module]
@@ -53,6 +68,7 @@ class Runner(Protocol):
     tied_copies: list[nn.Parameter]
     microbatches: int
     autocast_dtype: torch.dtype | None
+    forward_context: ForwardContext
 
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
         """Backward of every microbatch's summed token loss times `scale`; this rank's loss sum (detached)."""
@@ -93,23 +109,20 @@ class LocalRunner:
     tied_copies: list[nn.Parameter] = []
 
     def __init__(self, model: nn.Module, loss: TokenLoss, microbatches: int, device: torch.device,
-                 autocast_dtype: torch.dtype | None):
+                 autocast_dtype: torch.dtype | None, forward_context: ForwardContext = no_context):
         self.model, self.parts = model, [model]
         self.loss, self.microbatches, self.device, self.autocast_dtype = loss, microbatches, device, autocast_dtype
+        self.forward_context = forward_context
 
     def forward_backward(self, batch: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
         """Backward of each microbatch's summed token loss times `scale`; returns this rank's loss sum (detached)."""
-        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
-        rows = ids.shape[0] // self.microbatches
-        total = torch.zeros((), device=ids.device)
-        for i in range(self.microbatches):
-            part = slice(i * rows, (i + 1) * rows)
+        total = torch.zeros((), device=batch["input_ids"].device)
+        for i, micro in enumerate(self._microbatches(batch)):
             last = i == self.microbatches - 1
             sync = self.model.no_sync() if isinstance(self.model, DistributedDataParallel) and not last \
                 else contextlib.nullcontext()
-            with sync, self.autocast():
-                loss_sum = self.loss.model_loss_sum(self.model, ids[part], labels[part],
-                                                    None if positions is None else positions[part])
+            with sync, self.autocast(), self.forward_context(micro):
+                loss_sum = self._loss_sum(micro)
                 (loss_sum * scale).backward()
             total += loss_sum.detach()
         return total
@@ -117,15 +130,20 @@ class LocalRunner:
     def eval_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward only: the summed token loss of the batch, in the microbatches of training (the logits of a
         rank's whole share would not fit where training's fit)."""
-        ids, labels, positions = batch["input_ids"], batch["labels"], batch.get("position_ids")
-        rows = ids.shape[0] // self.microbatches
-        total = torch.zeros((), device=ids.device)
+        total = torch.zeros((), device=batch["input_ids"].device)
         with self.autocast():
-            for i in range(self.microbatches):
-                part = slice(i * rows, (i + 1) * rows)
-                total += self.loss.model_loss_sum(self.model, ids[part], labels[part],
-                                                  None if positions is None else positions[part])
+            for micro in self._microbatches(batch):
+                with self.forward_context(micro):
+                    total += self._loss_sum(micro)
         return total
+
+    def _microbatches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        rows = batch["input_ids"].shape[0] // self.microbatches
+        return [{key: batch[key][i * rows:(i + 1) * rows] for key in ROW_KEYS if batch.get(key) is not None}
+                for i in range(self.microbatches)]
+
+    def _loss_sum(self, micro: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.loss.model_loss_sum(self.model, micro["input_ids"], micro["labels"], micro.get("position_ids"))
 
     def sync_grads(self) -> None:
         """Nothing to do: DDP and FSDP reduced the gradients in the backward."""

@@ -34,7 +34,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
 
     hf_model = model.get_base_model() if is_lora(model) else model
     config, base, tp = hf_model.config, hf_model.base_model, tp_mesh.size()
-    assert not getattr(config, "num_attention_heads", 0) % tp, "clustertrain.config.checks refuses this at start"
+    assert not getattr(config, "num_attention_heads", 0) % tp, "clustertrain.config.layout refuses this at start"
     plan = tp_plan(config)
     for pattern, style in plan.items():
         matched = [m for name, m in base.named_modules() if _matches(pattern, name)]

@@ -9,28 +9,33 @@ GPU_LINKS): a run does not read its preset's hardware numbers.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import ConfigError
 
 
-def choose_layout(config: RunConfig, world: int, per_node: int, device_type: str | None) -> tuple[RunConfig, str]:
-    """`config` with the fastest layout that fits, and one line that says which and why.
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout the planner chose: the config keys that make it (section -> keys, for RunConfig.updated,
+    the parameter dtype it was planned with among them), and one line that says which and why."""
+
+    overrides: dict
+    line: str
+
+
+def choose_layout(config: RunConfig, world: int, per_node: int, device_type: str | None) -> LayoutChoice:
+    """The fastest layout of `config` that fits `world` ranks: each candidate is built and stepped on a fake rank.
 
     Raises:
         ConfigError: no layout fits.
     """
-    from clustertrain.parallel.apply import resolve_param_dtype
     from clustertrain.plan.search import search
-    from clustertrain.plan.target import target_for
+    from clustertrain.plan.target import TargetRequest, target_for
 
-    dtype = resolve_param_dtype(config.parallel.param_dtype, device_type or "cpu")
-    config = config.updated(parallel={"param_dtype": dtype})
-    args = SimpleNamespace(world=world, nodes=None, gpus_per_node=per_node, device_memory=None,
-                           peak_tflops=1.0 if device_type != "cuda" else None, efficiency=0.5)
-    target = target_for(config, args, device_type=device_type or "cpu")
-    device = target.device
+    request = TargetRequest(world=world, ranks_per_node=per_node, peak_tflops=1.0 if device_type != "cuda" else None)
+    target = target_for(config, request, device_type=device_type or "cpu")  # settles param_dtype auto
+    device, dtype = target.device, target.config.parallel.param_dtype
     ranked = search(target.config.updated(parallel={"strategy": "zero3"}), world, per_node, device, keep=3)
     if not ranked:
         raise ConfigError(f"parallel.strategy = auto: no layout of this config fits {world} rank(s) of "
@@ -39,5 +44,5 @@ def choose_layout(config: RunConfig, world: int, per_node: int, device_type: str
     others = "; next: " + " | ".join(c.describe() for c in ranked[1:]) if len(ranked) > 1 else ""
     line = (f"parallel.strategy auto chose {best.describe()} (planned: the fastest of {len(ranked)} layouts that "
             f"fit{others})")
-    return config.updated(**best.overrides), line
+    return LayoutChoice({**best.overrides, "parallel": {**best.overrides["parallel"], "param_dtype": dtype}}, line)
 

@@ -10,17 +10,15 @@ The model (assumptions, each a choice a reader can check against a measured run,
   the compute, so only what exceeds it shows; tensor- and pipeline-parallel traffic sits on the critical path;
 * collectives are rings: an all-gather or reduce-scatter of B bytes over n ranks moves (n - 1) / n × B per
   rank, an all-reduce twice that; a group inside one node runs at the intra-node bandwidth, one that spans
-  nodes at the inter-node bandwidth (ranks fill nodes in mesh order pp, dp_replicate, dp_shard, tp).
+  nodes at the inter-node bandwidth (ranks fill nodes in the mesh's order, config.layout.DIMS).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from clustertrain.config.checks import Layout
+from clustertrain.config.layout import DIMS, Layout
 from clustertrain.config.schema import RunConfig
-
-DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")  # the mesh's, outermost first
 
 
 @dataclass(frozen=True)
@@ -56,10 +54,9 @@ class Traffic:
 
 def inside_node(layout: Layout, dim: str, per_node: int) -> bool:
     """Whether the ranks of one group of mesh dimension `dim` sit on one node."""
-    sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
     span = 1
-    for name in reversed(DIM_ORDER):  # the innermost dimension's ranks are adjacent
-        span *= sizes[name]
+    for name in reversed(DIMS):  # the innermost dimension's ranks are adjacent
+        span *= layout.degree(name)
         if name == dim:
             return span <= per_node
     raise ValueError(dim)
@@ -74,25 +71,25 @@ def traffic(config: RunConfig, layout: Layout, params_bytes: int, trainable_byte
     reduce_ratio = (2 if parallel.reduce_dtype == "bfloat16" else 4) / 4
     accum, rows, seq = layout.grad_accum, layout.micro_batch, config.data.seq_len
     if layout.wrapper == "fsdp":  # sharded over dp_shard; with dp_replicate > 1 (hybrid) replicated across it
-        ring = layout.dp_shard - 1  # a rank sends its shard to each of its n - 1 peers: (n - 1)/n of the whole
+        ring = layout.degree("dp_shard") - 1  # a rank sends its shard to each of its n - 1 peers: (n - 1)/n of the whole
         gathers = 2 if parallel.strategy.endswith("zero3") else 1
         out.add("dp_shard", gathers * accum * ring * params_bytes * compute_ratio,
                 f"{gathers} all-gather{'s' if gathers > 1 else ''} of the weights per microbatch")
         out.add("dp_shard", accum * ring * trainable_bytes * reduce_ratio, "reduce-scatter of the gradients")
-        if layout.dp_replicate > 1:
-            r = layout.dp_replicate
+        if layout.degree("dp_replicate") > 1:
+            r = layout.degree("dp_replicate")
             out.add("dp_replicate", 2 * (r - 1) / r * accum * trainable_bytes * reduce_ratio,
                     "all-reduce of the gradient shards")
     elif layout.wrapper == "ddp":
         n = layout.dp
         out.add("dp_replicate", 2 * (n - 1) / n * trainable_bytes, "all-reduce of the gradients")
-    if layout.tp > 1:
-        t = layout.tp
+    if layout.degree("tp") > 1:
+        t = layout.degree("tp")
         recompute = 2 if parallel.activation_checkpoint == "full" else 0
         activation = rows * seq * hidden * param_itemsize
         per_layer = (4 + recompute) * 2 * (t - 1) / t * activation
-        out.add("tp", accum * layers / layout.pp * per_layer, f"{4 + recompute} all-reduces per block")
-    if layout.pp > 1:
+        out.add("tp", accum * layers / layout.degree("pp") * per_layer, f"{4 + recompute} all-reduces per block")
+    if layout.degree("pp") > 1:
         out.add("pp", 2 * accum * rows * seq * hidden * param_itemsize, "activations and their gradients")
     out.inside_node = {dim: inside_node(layout, dim, per_node) for dim in out.bytes}
     return out
@@ -110,7 +107,8 @@ def recompute_factor(config: RunConfig) -> float:
 
 def bubble(config: RunConfig, layout: Layout) -> float:
     """The fraction of a step a pipeline stage idles."""
-    if layout.pp == 1:
+    pp = layout.degree("pp")
+    if pp == 1:
         return 0.0
     stages = config.parallel.pp_stages_per_rank if config.parallel.pp_schedule == "interleaved_1f1b" else 1
-    return (layout.pp - 1) / stages / (layout.grad_accum + layout.pp - 1)
+    return (pp - 1) / stages / (layout.grad_accum + pp - 1)

@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
-from clustertrain.config.checks import Layout
+from clustertrain.config.layout import Layout
 from clustertrain.config.schema import RunConfig
 
 CPU = torch.device("cpu")
@@ -222,8 +222,9 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
         config = config.updated(model={"attn_implementation": "sdpa"})
     dtype = DTYPES[config.parallel.param_dtype]
     built = build_model(config.model, config.lora, None, config.data.vocab_size, param_dtype=dtype, device=CPU,
-                        loss=config.train.loss, loss_chunk_tokens=config.train.loss_chunk_tokens, tp=layout.tp,
-                        pipeline=layout.pp > 1, packed_documents=config.data.packed_documents)
+                        loss=config.train.loss, loss_chunk_tokens=config.train.loss_chunk_tokens,
+                        tp=layout.degree("tp"), pipeline=layout.degree("pp") > 1,
+                        packed_documents=config.data.packed_documents)
     flops = model_flops_per_token(built.model, config.data.seq_len)
     hidden, layers = built.hf_config.hidden_size, built.hf_config.num_hidden_layers
     mesh = build_mesh(layout, device_type)
@@ -247,7 +248,7 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
         if config.data.packed_documents and not kernel:  # sdpa masks documents with a [rows, 1, seq, seq] mask
             batch["position_ids"] = torch.arange(seq_len).repeat(rows, 1)
         scale = torch.tensor(1.0 / (rows * seq_len))
-        if layout.pp > 1:
+        if layout.degree("pp") > 1:
             step_peak, activations = _pipeline_step(runner, config, layout, batch, scale, hidden)
         else:
             with LiveBytes() as counted, _after_forwards(runner.parts, counted) as kept:
@@ -270,7 +271,8 @@ def _pipeline_step(runner, config: RunConfig, layout: Layout, batch: dict, scale
     positions = torch.arange(seq).expand(rows, seq).contiguous()
     residual = DTYPES_BY_NAME[config.parallel.param_dtype] if layout.wrapper == "fsdp" else torch.float32
     peaks, kept = [], []
-    with LiveBytes() as counted:
+    rows_in_hand = {"input_ids": ids, "labels": labels, "position_ids": positions}
+    with runner.forward_context(rows_in_hand), LiveBytes() as counted:
         for stage in runner.parts:
             before = counted.live
             counted.reset_peak()
@@ -292,13 +294,14 @@ def microbatches_in_flight(config: RunConfig, layout: Layout, first_stage: int) 
     """Microbatches whose activations a pipeline rank holds at once: all of them under gpipe (every forward
     before any backward), pp - rank under 1f1b (its warm-up forwards), and under interleaved 1f1b its warm-up
     across its stages (torch's ScheduleInterleaved1F1B: 2 (pp - rank - 1) + (v - 1) pp, plus the one in hand)."""
-    parallel, rank, microbatches = config.parallel, first_stage % layout.pp, layout.grad_accum
+    parallel, pp, microbatches = config.parallel, layout.degree("pp"), layout.grad_accum
+    rank = first_stage % pp
     if parallel.pp_schedule == "gpipe":
         return microbatches
     if parallel.pp_schedule == "1f1b":
-        return min(microbatches, layout.pp - rank)
+        return min(microbatches, pp - rank)
     stages = parallel.pp_stages_per_rank
-    return min(microbatches * stages, 2 * (layout.pp - rank - 1) + (stages - 1) * layout.pp + 1)
+    return min(microbatches * stages, 2 * (pp - rank - 1) + (stages - 1) * pp + 1)
 
 
 @contextlib.contextmanager

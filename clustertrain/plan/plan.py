@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-from clustertrain.config.checks import Layout
+from clustertrain.config.layout import Layout
 from clustertrain.config.schema import RunConfig
 from clustertrain.model.spec import model_shape
 from clustertrain.plan.cost import Device, Traffic, bubble, recompute_factor, traffic
@@ -84,9 +84,8 @@ class Plan:
 
     def to_json(self) -> dict:
         """Every figure, in bytes, seconds and FLOPs (for scripts: `clustertrain plan --json`)."""
-        layout = asdict(self.layout)
         return {
-            "layout": layout, "per_node": self.per_node, "device": asdict(self.device),
+            "layout": self.layout.to_json(), "per_node": self.per_node, "device": asdict(self.device),
             "stages": [{**asdict(stage), "peak": stage.peak} for stage in self.stages],
             "peak_bytes": self.peak_bytes, "headroom_bytes": self.headroom_bytes, "fits": self.fits,
             "checkpoint_total_bytes": self.checkpoint_total_bytes,
@@ -100,13 +99,13 @@ class Plan:
     def checkpoint_total_bytes(self) -> int:
         """All ranks' checkpoint shards: each stage's data-parallel and tp ranks write alike (the first of
         each is the largest under uneven shards, so this is an upper bound)."""
-        return sum(stage.checkpoint for stage in self.stages) * (self.layout.world_size // self.layout.pp)
+        return sum(stage.checkpoint for stage in self.stages) * (self.layout.world_size // self.layout.degree("pp"))
 
 
 def make_plan(config: RunConfig, layout: Layout, per_node: int, device: Device) -> Plan:
-    """Plan `config` (resolved for `layout`'s world: resolve_run) on `device`, `per_node` ranks per node."""
-    ranks_per_stage = layout.world_size // layout.pp
-    stages = [measure_stage(config, layout, stage * ranks_per_stage) for stage in range(layout.pp)]
+    """Plan `config` (settled for `layout`'s world: resolve.run.resolve) on `device`, `per_node` ranks per node."""
+    ranks_per_stage = layout.world_size // layout.degree("pp")
+    stages = [measure_stage(config, layout, stage * ranks_per_stage) for stage in range(layout.degree("pp"))]
     first = stages[0]
     itemsize = 2 if config.parallel.param_dtype in ("bfloat16", "float16") else 4
     sent = traffic(config, layout, first.params, first.trainable, itemsize, first.hidden, first.layers, per_node)
@@ -125,7 +124,7 @@ def measure_stage(config: RunConfig, layout: Layout, rank: int) -> RankBytes:
     checkpointing). Planning Llama-3-70B at 1,024 ranks takes seconds this way, not half a minute."""
     stride = config.parallel.activation_checkpoint_every if config.parallel.activation_checkpoint == "selective" else 1
     layers = model_shape(config.model, config.data.vocab_size).layers
-    if layout.pp > 1 or not layers or layers <= DIRECT_LAYERS * stride or layers % stride:
+    if layout.degree("pp") > 1 or not layers or layers <= DIRECT_LAYERS * stride or layers % stride:
         with fake_world(layout.world_size, rank):
             return measure_rank(config, layout)
     # at a few blocks the step's peak sits elsewhere (FSDP's prefetch of the next block meets the embeddings and

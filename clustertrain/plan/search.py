@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from clustertrain.config.checks import Layout, apply_layout, check_world, resolve_layout
+from clustertrain.config.layout import Layout, apply_layout, check_world, resolve_layout
 from clustertrain.config.schema import RunConfig
 from clustertrain.errors import UserError
 from clustertrain.model.spec import model_shape
@@ -116,5 +116,5 @@ def _param_counts(config: RunConfig) -> tuple[int, int]:
 def _state_floor(layout: Layout, total: int, trainable: int) -> float:
     """Bytes a rank holds at least: float32 weights, and for trainable ones a gradient and two AdamW moments,
     split over tp and (under FSDP) dp_shard."""
-    split = layout.tp * (layout.dp_shard if layout.wrapper == "fsdp" else 1)
+    split = layout.degree("tp") * (layout.degree("dp_shard") if layout.wrapper == "fsdp" else 1)
     return (4 * total + 12 * trainable) / split

@@ -11,7 +11,7 @@ HEARTBEAT_S seconds. A lock is stale, and taken over with a one-line note, when
 - its heartbeat is older than STALE_AFTER_S (the holder's node died or lost the filesystem);
 - it names our own Slurm job at an earlier restart (a requeued job starting again).
 
-    lock = lock_run_dir(run_dir, rank0)   # every rank calls; RunDirLocked (exit 2) names the holder
+    lock = lock_run_dir(run, rank0)       # every rank calls; RunDirLocked (exit 2) names the holder
     ...
     lock.release()                        # rank 0, on every exit path
 """
@@ -104,12 +104,12 @@ class RunLock:
         self._thread.start()
 
     @classmethod
-    def acquire(cls, run_dir: Path, note=print) -> RunLock:
-        """Take the lock of `run_dir` (created if missing), taking over a stale one; RunDirLocked if it is held."""
-        me = Holder.here()
+    def acquire(cls, run: RunDir, note=print) -> RunLock:
+        """Take the lock of the run directory (created if missing), taking over a stale one; RunDirLocked if it is
+        held."""
+        me, run_dir, path = Holder.here(), run.root, run.lock
         created = next((p for p in reversed([run_dir, *run_dir.parents]) if not p.exists()), None)
         run_dir.mkdir(parents=True, exist_ok=True)
-        path = RunDir(run_dir).lock
         for _ in range(5):  # another start may take, release or replace the lock between our steps
             if _link_new(path, me):
                 return cls(path, me, created)
@@ -158,17 +158,17 @@ class RunLock:
                 pass  # a filesystem hiccup: the next beat tries again, and staleness allows several missed
 
 
-def lock_run_dir(run_dir: Path, rank0: bool) -> RunLock | None:
-    """Rank 0 takes the lock of `run_dir` and returns it (None on other ranks); every rank calls this, and
+def lock_run_dir(run: RunDir, rank0: bool) -> RunLock | None:
+    """Rank 0 takes the lock of the run directory and returns it (None on other ranks); every rank calls this, and
     every rank raises RunDirLocked with rank 0's message when it is refused."""
     lock, refusal = None, None
     if rank0:
         try:
-            lock = RunLock.acquire(run_dir)
+            lock = RunLock.acquire(run)
         except RunDirLocked as e:
             refusal = str(e)
         except OSError as e:  # a read-only or missing parent: the run cannot write there anyway
-            refusal = f"cannot use {run_dir} as the run directory: {e.strerror or e} ({e.filename or run_dir})"
+            refusal = f"cannot use {run.root} as the run directory: {e.strerror or e} ({e.filename or run.root})"
     if dist.is_initialized() and dist.get_world_size() > 1:
         refusal = all_gather_objects(refusal)[0]
     if refusal:

@@ -20,9 +20,7 @@ from typing import IO, Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from clustertrain.data.readers import BadData, json_type, parse_object
-from clustertrain.errors import DataError
-from clustertrain.files import open_regular
+from clustertrain.files import JsonlWriter, json_value, read_jsonl
 from clustertrain.run_dir import RunDir
 from clustertrain.train.trackers import TrackerThread, tag
 
@@ -148,60 +146,28 @@ LINE_LIMIT = 1 << 20  # bytes of one metrics.jsonl line: a record is a few hundr
 _NUMBERS = frozenset(key for key, _ in _FIELDS) | {"tokens", "tokens_per_s_per_rank", "eta_s", "time"}
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Reads a metrics file; a last line cut short (a run killed mid-write: no newline at its end) is dropped.
-    Streamed, line by line, from a regular file only (files.open_regular): a long run's file may be gigabytes, and
-    a FIFO or a link to /dev/zero in its place must neither block nor fill memory.
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a metrics file (files.read_jsonl: streamed, a regular file only, as a long run's file may be
+    gigabytes); a last line cut short (a run killed mid-write: no newline at its end) is dropped.
 
     Raises:
         DataError: One line naming the file and line: not a regular file, a line over LINE_LIMIT bytes, not UTF-8
             or not JSON, not an object, a ``step`` that is not a whole number, or a known metric (loss, lr,
             tokens_per_s, ...) that is not a number or null.
     """
-    path = Path(path)
-    try:
-        with open_regular(path) as f:
-            return _read_records(f, path)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read it ({e.strerror or e})") from None
+    about = "metrics.jsonl holds one JSON object per line, a few hundred bytes each"
+    return read_jsonl(Path(path), LINE_LIMIT, about=about, drop_cut_line=True, check=_check_record)
 
 
-def _read_records(f: IO[bytes], path: Path) -> list[dict[str, Any]]:
-    records = []
-    for number, line in enumerate(iter(lambda: f.readline(LINE_LIMIT + 1), b""), start=1):
-        if len(line) > LINE_LIMIT:
-            raise DataError(f"{path}:{number}: longer than {LINE_LIMIT:,} bytes; metrics.jsonl holds one JSON object "
-                            "per line, a few hundred bytes each")
-        if not line.strip():
-            continue
-        cut = not line.endswith(b"\n")  # only the last line can lack its newline
-        line = line.removesuffix(b"\n").removesuffix(b"\r")
-        where = f"{path}:{number}"
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            if cut:
-                break
-            raise DataError(f"{where}: not UTF-8 text (byte {line[e.start]:#04x} at column {e.start + 1}); "
-                            "metrics.jsonl holds one JSON object per line") from None
-        record = parse_object(text, where, BadData("skip" if cut else "error"))
-        if record is None:  # only when cut
-            break
-        step = record.get("step")
-        if type(step) is not int or step < 0:
-            got = json_value(step) if "step" in record else "missing"
-            raise DataError(f"{where}: 'step' is {got}; each record needs a whole number of steps >= 0")
-        for key in _NUMBERS & record.keys():
-            value = record[key]
-            if value is not None and not _is_number(value):
-                raise DataError(f"{where}: {key!r} is {json_value(value)}; it must be a number or null")
-        records.append(record)
-    return records
-
-
-def json_value(value: Any) -> str:
-    """A parsed JSON value for a message, as it was written: 'null', 'string "2"', 'array [1, 2]' (40 characters)."""
-    return "null" if value is None else f"{json_type(value)} {json.dumps(value)[:40]}"
+def _check_record(record: dict[str, Any]) -> None:
+    step = record.get("step")
+    if type(step) is not int or step < 0:
+        got = json_value(step) if "step" in record else "missing"
+        raise ValueError(f"'step' is {got}; each record needs a whole number of steps >= 0")
+    for key in _NUMBERS & record.keys():
+        value = record[key]
+        if value is not None and not _is_number(value):
+            raise ValueError(f"{key!r} is {json_value(value)}; it must be a number or null")
 
 
 def _is_number(value: Any) -> bool:
@@ -216,11 +182,11 @@ def _is_number(value: Any) -> bool:
 
 
 class MetricsLogger:
-    """Writes each ``log`` call to ``run_dir/metrics.jsonl`` (with the wall-clock ``time``), TensorBoard, the
+    """Writes each ``log`` call to ``metrics.jsonl`` (with the wall-clock ``time``), TensorBoard, the
     trackers and the console.
 
     Args:
-        run_dir: Directory for ``metrics.jsonl`` and ``tensorboard/``; created if missing.
+        files: The run directory, for ``metrics.jsonl`` and ``tensorboard/``; created if missing.
         total_steps: Steps in the whole run, for the progress display and the ETA.
         start_step: Steps already done (resume); the bar starts there.
         enabled: False on non-zero ranks: nothing is written or printed.
@@ -234,7 +200,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        run_dir: Path,
+        files: RunDir,
         *,
         total_steps: int,
         start_step: int = 0,
@@ -260,16 +226,14 @@ class MetricsLogger:
         self.trackers = trackers
         if not enabled:
             return
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.jsonl_path = RunDir(self.run_dir).metrics
-        self._file = self._open_jsonl(self.jsonl_path)
+        files.root.mkdir(parents=True, exist_ok=True)
+        self._file = JsonlWriter(files.metrics)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # slow import, only when used
 
             # purge_step hides events a killed run wrote after the checkpoint we resume from.
             purge = start_step + 1 if start_step > 0 else None
-            self._writer = SummaryWriter(log_dir=str(RunDir(self.run_dir).tensorboard), purge_step=purge)
+            self._writer = SummaryWriter(log_dir=str(files.tensorboard), purge_step=purge)
         self.console = console if console is not None else BestEffortConsole()
         if progress == "auto":
             progress = "bar" if self.console.is_terminal else "lines"
@@ -285,19 +249,6 @@ class MetricsLogger:
                 format_line(start_step, total_steps, {}, None), total=total_steps, completed=start_step
             )
             self._progress.start()
-
-    @staticmethod
-    def _open_jsonl(path: Path):
-        # A run killed mid-write can leave a last line without its newline: cut it off, so
-        # the file stays one JSON object per line when a resumed run appends to it.
-        if path.exists() and path.stat().st_size > 0:
-            with path.open("r+b") as f:
-                size = f.seek(0, 2)
-                f.seek(max(0, size - (1 << 20)))
-                tail = f.read()
-                if not tail.endswith(b"\n"):
-                    f.truncate(size - len(tail) + tail.rfind(b"\n") + 1)
-        return path.open("a", encoding="utf-8")
 
     def _update_eta(self, step: int) -> float | None:
         # Average seconds per step since the first log call: the first step (compilation,
@@ -316,7 +267,7 @@ class MetricsLogger:
         """Records one set of metrics at ``step``.
 
         None is written as JSON null; NaN/inf as Python's ``NaN``/``Infinity`` (read back by
-        :func:`read_jsonl`), so a diverged loss stays visible.
+        :func:`read_metrics`), so a diverged loss stays visible.
         """
         if not self.enabled or self._closed:
             return
@@ -324,8 +275,7 @@ class MetricsLogger:
         eta = self._update_eta(step)
         now = round(time.time(), 3)  # unix seconds to the millisecond, in every sink
         record = {"step": step, "time": now, **values, "eta_s": None if eta is None else round(eta, 1)}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._file.append(record)
         numbers = {tag(k): v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self._writer is not None:
             for name, value in numbers.items():

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from clustertrain.config.schema import RunConfig
+from clustertrain.errors import one_line
 from clustertrain.plan.fake import local_bytes, optimizer_state_bytes, state_bytes
 from clustertrain.run_dir import RunDir
 
@@ -28,19 +28,18 @@ log = logging.getLogger(__name__)
 def plan_run(config: RunConfig, world: int, per_node: int, device_type: str) -> dict | None:
     """Plan `config` (resolved) on this world and device; None if it could not be planned (the run goes on: a
     plan is advice). Nothing is written: the run directory is not the run's until it holds the lock."""
-    from clustertrain.config.checks import apply_layout, resolve_layout
+    from clustertrain.config.layout import apply_layout, resolve_layout
     from clustertrain.plan.plan import make_plan
-    from clustertrain.plan.target import target_for
+    from clustertrain.plan.target import TargetRequest, target_for
 
-    args = SimpleNamespace(world=world, nodes=None, gpus_per_node=per_node, device_memory=None,
-                           peak_tflops=config.metrics.peak_flops / 1e12 if config.metrics.peak_flops else None,
-                           efficiency=0.5)
+    peak = config.metrics.peak_flops
+    request = TargetRequest(world=world, ranks_per_node=per_node, peak_tflops=peak / 1e12 if peak else None)
     try:
-        target = target_for(config, args, device_type=device_type)
+        target = target_for(config, request, device_type=device_type)
         layout = resolve_layout(target.config, world, per_node)
         return make_plan(apply_layout(target.config, layout), layout, per_node, target.device).to_json()
     except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run trains
-        log.warning("the run could not be planned (%s); it trains all the same", " ".join(str(e).split())[:200])
+        log.warning("the run could not be planned (%s); it trains all the same", one_line(e)[:200])
         return None
 
 

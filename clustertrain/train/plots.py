@@ -1,7 +1,7 @@
 """PNG charts of runs: loss, lr, throughput, MFU and memory curves from metrics.jsonl (several runs overlaid, a
 run's resumes stitched), and a scaling study's tokens/s and efficiency.
 
-    plot_runs([Path("runs/a"), Path("runs/b")], Path("runs/compare.png"))
+    plot_runs([RunDir(Path("runs/a")), RunDir(Path("runs/b"))], Path("runs/compare.png"))
     plot_scaling(rows, Path("runs/scaling/scaling.png"))   # rows from clustertrain.launch.scaling.read_scaling
 
 matplotlib is an optional extra (`pip install 'clustertrain[plot]'`); without it these raise a one-line UserError.
@@ -17,7 +17,7 @@ from typing import Any
 
 from clustertrain.errors import DataError, UserError
 from clustertrain.run_dir import RunDir
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.metrics import read_metrics
 
 
 def pyplot() -> Any:
@@ -59,16 +59,16 @@ class RunCurves:
     resumes: list[int] = field(default_factory=list)
 
 
-def run_curves(run_dir: Path, name: str | None = None) -> RunCurves:
-    """The curves in `run_dir/metrics.jsonl`, its starts stitched together: a resumed run appends to the file, and
+def run_curves(run: RunDir, name: str | None = None) -> RunCurves:
+    """The curves in the run's metrics.jsonl, its starts stitched together: a resumed run appends to the file, and
     where it did steps again (those after the checkpoint it resumed from), its later record of a step wins.
     A start is the record of `load_mem_gb`, logged at the step the start resumed from."""
-    path = RunDir(run_dir).metrics
-    if not path.exists() and not path.is_symlink():  # a FIFO, a device or a dangling link: read_jsonl names it
-        raise DataError(f"{path} does not exist: is {run_dir} a run directory (train.run_dir)?")
+    path = run.metrics
+    if not path.exists() and not path.is_symlink():  # a FIFO, a device or a dangling link: read_metrics names it
+        raise DataError(f"{path} does not exist: is {run.root} a run directory (train.run_dir)?")
     latest: dict[str, dict[int, float]] = {key: {} for _, _, keys in PANELS for key in keys}
     resumes = []
-    for record in read_jsonl(path):
+    for record in read_metrics(path):
         step = record["step"]
         if record.get("load_mem_gb") is not None and step > 0:
             resumes.append(step)
@@ -77,18 +77,18 @@ def run_curves(run_dir: Path, name: str | None = None) -> RunCurves:
                 value = float(record[key]) * _SCALE.get(key, 1.0)
                 points[step] = value if abs(value) <= LARGEST else math.nan  # NaN fails the test too
     curves = {key: sorted(points.items()) for key, points in latest.items()}
-    return RunCurves(name or Path(run_dir).resolve().name, curves, resumes)
+    return RunCurves(name or run.root.resolve().name, curves, resumes)
 
 
-def plot_runs(run_dirs: Sequence[Path], out: Path) -> Path:
+def plot_runs(run_dirs: Sequence[RunDir], out: Path) -> Path:
     """Loss (dashed: eval loss), lr, tokens/s, MFU and memory against the step, the panels of what was logged, one
     colour per run (resumes marked by a dotted line); returns `out`."""
     plt = pyplot()
-    names = [Path(d).resolve().name for d in run_dirs]
-    runs = [run_curves(d, name if names.count(name) == 1 else str(d)) for d, name in zip(run_dirs, names)]
+    names = [d.root.resolve().name for d in run_dirs]
+    runs = [run_curves(d, name if names.count(name) == 1 else str(d.root)) for d, name in zip(run_dirs, names)]
     panels = [panel for panel in PANELS if any(_drawn(run.curves[key]) for run in runs for key in panel[2])]
     if not panels:
-        raise DataError(f"no loss or tokens/s logged yet in {', '.join(str(RunDir(d).metrics) for d in run_dirs)}")
+        raise DataError(f"no loss or tokens/s logged yet in {', '.join(str(d.metrics) for d in run_dirs)}")
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4 * rows), squeeze=False)

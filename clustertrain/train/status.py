@@ -1,4 +1,4 @@
-"""The run's one-line state in <run_dir>/status.json: running, preempted, finished or failed.
+"""The run's one-line state in its status.json (run_dir.RunDir.status): running, preempted, finished or failed.
 
 Launchers read it to decide what comes next (`clustertrain slurm job-end` requeues only a run that was
 stopped on purpose), because an exit code does not survive every launcher (torchrun reports 1).
@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the Slurm job's own steps read status.json: no torch import
 STATUS_FILE = RunDir(Path()).status.name  # the file's name alone, as a run directory's listing shows it
 
 
-def write_status(run_dir: Path, state: str, **fields: Any) -> None:
+def write_status(run: RunDir, state: str, **fields: Any) -> None:
     """Replace the run's status, stamped with the time, host and Slurm job (if any): atomically, or in place
     when the disk has no room for a new file.
 
@@ -40,8 +40,8 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
         **fields,
     }
     text = json.dumps(record, default=str) + "\n"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = RunDir(run_dir).status
+    run.root.mkdir(parents=True, exist_ok=True)
+    path = run.status
     try:
         write_atomic(path, text)
     except OSError:
@@ -62,15 +62,15 @@ def write_status(run_dir: Path, state: str, **fields: Any) -> None:
             raise OSError(errno.ENOSPC, f"only {written} of {len(data)} bytes written", str(path))
 
 
-def read_status(run_dir: Path) -> dict[str, Any] | None:
+def read_status(run: RunDir) -> dict[str, Any] | None:
     """The last status written, or None if there is none (or it is unreadable, or not a status)."""
     try:
-        return load_status(run_dir)
+        return load_status(run)
     except (OSError, ValueError):
         return None
 
 
-def load_status(run_dir: Path) -> dict[str, Any] | None:
+def load_status(run: RunDir) -> dict[str, Any] | None:
     """The last status written, or None if there is none; read by files.read_regular (a FIFO or a link to a
     device there never blocks a launcher or `clustertrain status`).
 
@@ -79,7 +79,7 @@ def load_status(run_dir: Path) -> dict[str, Any] | None:
         ValueError: It is not a status: not JSON, not an object, or no "state" string.
     """
     try:
-        status = read_json_object(RunDir(run_dir).status)
+        status = read_json_object(run.status)
     except FileNotFoundError:
         return None
     if not isinstance(status.get("state"), str):
@@ -87,7 +87,7 @@ def load_status(run_dir: Path) -> dict[str, Any] | None:
     return status
 
 
-def record_failure(run_dir: Path, error: BaseException, first: RankFailure | None, step: int,
+def record_failure(run: RunDir, error: BaseException, first: RankFailure | None, step: int,
                    checkpoint: Path | None, started: bool = True) -> None:
     """status.json says "failed", with the error that ended the run: `first`, the first failure of any rank
     (None for a second Ctrl-C, which interrupts without saving), else `error`; `before_start` when it came before
@@ -97,4 +97,11 @@ def record_failure(run_dir: Path, error: BaseException, first: RankFailure | Non
     if first is None:
         message = f"interrupted by a second Ctrl-C, without saving (last checkpoint: {checkpoint or 'none'})"
     with contextlib.suppress(OSError):
-        write_status(run_dir, "failed", step=step, error=message, **({} if started else {"before_start": True}))
+        write_status(run, "failed", step=step, error=message, **({} if started else {"before_start": True}))
+
+
+def record_hang(run: RunDir, report: dict[str, Any], step: int, total_steps: int | None,
+                checkpoint: Path | None) -> None:
+    """status.json says "hung", with the watchdog's report (its line, the stuck ranks and hosts, the phase)."""
+    write_status(run, "hung", step=step, total_steps=total_steps, checkpoint=str(checkpoint) if checkpoint else None,
+                 error=report["line"], **{k: report[k] for k in ("stuck_ranks", "stuck_hosts", "phase")})

@@ -19,18 +19,17 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.distributed.collectives import all_reduce
-from clustertrain.errors import UserError
+from clustertrain.errors import ExitCode, UserError
 from clustertrain.parallel.runner import Runner
 from clustertrain.train.optim import Optimizers
 
-DIVERGED_EXIT_CODE = 3
 MAX_SKIPS_IN_A_ROW = 10  # train.on_nan: skip gives up after this many non-finite steps in a row
 
 
 class Diverged(UserError):
     """The loss or the gradient norm became NaN or inf (train.on_nan): one line, no traceback, exit 3."""
 
-    exit_code = DIVERGED_EXIT_CODE
+    exit_code = ExitCode.DIVERGED
 
 
 class OutOfMemory(UserError):

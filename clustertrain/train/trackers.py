@@ -2,8 +2,8 @@
 starts, every metric as it is logged (named as in TensorBoard: `tag`), and how it ended. A resumed run continues
 the same tracker runs: their ids are kept in <run_dir>/trackers.json.
 
-    check_trackers(config.metrics)       # before the run: a missing package is one line naming the extra
-    trackers = open_trackers(config.metrics, RunDir(run_dir), config.name, config_yaml, plan, resumed)  # rank 0
+    check_trackers(config.metrics)       # clustertrain.resolve.packages, before the run: one line naming the extra
+    trackers = open_trackers(config.metrics, files, config.name, config_yaml, plan, resumed)  # rank 0, files: a RunDir
     MetricsLogger(..., trackers=trackers)                # logs every number to them, and ends them on close
 
 Every tracker call (start, log, close) runs off the training thread (`TrackerThread`), within
@@ -14,7 +14,6 @@ metrics.jsonl keeps every number. wandb and mlflow are imported only when enable
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from clustertrain.config.metrics_schema import MetricsConfig, MlflowConfig, WandbConfig
-from clustertrain.errors import ConfigError
+from clustertrain.errors import one_line
 from clustertrain.files import read_json_object
 from clustertrain.run_dir import RunDir
 
@@ -54,14 +53,6 @@ def tag(key: str) -> str:
     if key.startswith("mix/"):
         return "data/" + key
     return "train/" + key
-
-
-def check_trackers(metrics: MetricsConfig) -> None:
-    """Raises ConfigError (one line naming the extra to install) if an enabled tracker's package is missing."""
-    for section, module in ((metrics.wandb, "wandb"), (metrics.mlflow, "mlflow")):
-        if section.enabled and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"metrics.{module}.enabled needs {module}, which is not installed: "
-                              f"pip install 'clustertrain[{module}]'")
 
 
 class Tracker:
@@ -176,7 +167,7 @@ class TrackerThread:
                 if name == "close":
                     return
         except Exception as e:  # noqa: BLE001 - a tracker is a copy of metrics.jsonl: never worth a run
-            self._drop(("could not start" if name == "start" else "failed") + f" ({' '.join(str(e).split())[:200]})")
+            self._drop(("could not start" if name == "start" else "failed") + f" ({one_line(e)[:200]})")
 
     def _timed(self, name: str, method: Callable, *args):
         self._call = (name, time.monotonic())

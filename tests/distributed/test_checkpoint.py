@@ -14,9 +14,9 @@ import torch
 from helpers import (SLOW_WRITE_ENV, alive, children, final_weights, grad_norms, losses, slow_checkpoint_writes, start,
                      train, wait_for_saves, wait_for_step)
 
-from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
-from clustertrain.train.metrics import read_jsonl
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.errors import ExitCode
+from clustertrain.run_dir import RunDir
+from clustertrain.train.metrics import read_metrics
 from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
@@ -28,7 +28,7 @@ def test_signal_to_one_rank_checkpoints_every_rank_and_asks_for_requeue(tmp_path
     wait_for_step(tmp_path, 3, proc)
     os.kill(children(proc.pid)[-1], signum)  # only the last rank hears it, as when Slurm signals one task
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-2000:]
+    assert proc.returncode == ExitCode.REQUEUE, stderr[-2000:]
     assert f"stopped by {signal.Signals(signum).name} at step" in stderr
     saved = sorted((tmp_path / "checkpoints").glob("step-*"))
     assert len(saved) == 1
@@ -80,7 +80,7 @@ def test_training_goes_on_while_an_async_save_is_being_written(tmp_path, sync_ru
     assert bool(seen) == (mode == "async"), (
         f"{mode} saves: step 3 was {'' if seen else 'not '}logged while step 2's shards were being written")
     assert {s: losses(tmp_path)[s] for s in (1, 2, 3)} == {s: losses(sync_run)[s] for s in (1, 2, 3)}
-    blocking = [r["checkpoint_blocking_s"] for r in read_jsonl(tmp_path / "metrics.jsonl")
+    blocking = [r["checkpoint_blocking_s"] for r in read_metrics(tmp_path / "metrics.jsonl")
                 if "checkpoint_blocking_s" in r]
     # the save of step 2 blocks the loop for the whole write when sync, for a host copy of the shards when async
     assert (blocking[0] < SLOW_WRITE_S / 2) if mode == "async" else (blocking[0] >= SLOW_WRITE_S), blocking
@@ -93,10 +93,10 @@ def test_sigterm_during_an_async_write_completes_it_saves_and_resumes_exactly(tm
     assert wait_for_saves(tmp_path, proc, count=1), "the save of step 2 was not seen"
     os.kill(children(proc.pid)[-1], signal.SIGTERM)  # while step 2's write sleeps in the background
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-3000:]
+    assert proc.returncode == ExitCode.REQUEUE, stderr[-3000:]
     stopped = max(losses(tmp_path))
     assert f"stopped by SIGTERM at step {stopped}" in stderr and stopped in (2, 3)
-    assert read_status(tmp_path)["state"] == "preempted"
+    assert read_status(RunDir(tmp_path))["state"] == "preempted"
     # the write in flight completed and was committed; the stop saved its own step; nothing half-written is left
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == sorted(
         {"step-0000002", f"step-{stopped:07d}"})
@@ -152,9 +152,9 @@ def test_a_failed_write_keeps_the_previous_checkpoint_and_a_lost_final_save_fail
     stdout, stderr = proc.communicate(timeout=180)
     assert "checkpoint of step 4 failed" in stdout + stderr
     assert "step-0000002 is intact" in stdout + stderr
-    assert proc.returncode == SAVE_FAILED_EXIT_CODE, stderr[-2000:]
+    assert proc.returncode == ExitCode.SAVE_FAILED, stderr[-2000:]
     assert "Traceback" not in stderr
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert status["state"] == "failed"
     if lost:  # a lost final save is a failure, whatever checkpoint.on_error says
         assert f"it was this run's last save, so steps {lost} are lost" in stderr
@@ -224,6 +224,6 @@ def test_walltime_saves_before_the_limit(tmp_path):
     proc = start(tmp_path, "train.steps=100000", "checkpoint.every=0", "train.walltime=12", "train.walltime_margin=0",
                  nproc=1)
     stdout, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-2000:]
+    assert proc.returncode == ExitCode.REQUEUE, stderr[-2000:]
     assert "stopped by walltime" in stderr
     assert len(list((tmp_path / "checkpoints").glob("step-*"))) == 1

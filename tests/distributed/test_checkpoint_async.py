@@ -29,12 +29,12 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> N
     from clustertrain.checkpoint import dcp as ckpt
     from clustertrain.checkpoint.manager import CheckpointManager
     from clustertrain.config.load import load_config
+    from clustertrain.train.observers import Observer
     from clustertrain.train.trainer import Trainer
 
     record = {"held": [], "log_steps": [], "commits": [], "incomplete": []}
     logged, release, in_log_step = [0], threading.Event(), [False]
-    write, log, commit_if_done, commit = (FileSystemWriter.write_data, Trainer._log,
-                                          CheckpointManager.commit_if_done, ckpt.commit)
+    write, commit_if_done, commit = FileSystemWriter.write_data, CheckpointManager.commit_if_done, ckpt.commit
     root = Path(overrides[0].split("=", 1)[1]) / "checkpoints"
 
     def held_write(self, plan, planner):  # in DCP's background thread
@@ -43,15 +43,21 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> N
         record["held"].append({"logged": logged[0], "released": released, "held_s": time.monotonic() - start})
         return write(self, plan, planner)
 
-    def logged_step(self, result):
-        log(self, result)
-        logged[0] = self.step
-        if self.step >= RELEASE_AT:
-            release.set()
-        if self.step > RELEASE_AT and self.checkpoints._pending:  # let this rank's write end before this log step
-            futures.wait([self.checkpoints._pending[0]], timeout=HOLD_S)
-        record["incomplete"] += [p.name for p in root.glob("step-*") if not (p / "train_state.json").exists()
-                                 or not (p / ".metadata").exists()]
+    class LogSteps(Observer):  # a log step's record, before the step commits what is done
+        def on_start(self, run):
+            self.run = run
+
+        def on_log(self, step, values):
+            if "loss" not in values:
+                return
+            logged[0] = step
+            if step >= RELEASE_AT:
+                release.set()
+            pending = self.run.checkpoints._pending
+            if step > RELEASE_AT and pending:  # let this rank's write end before this log step
+                futures.wait([pending[0]], timeout=HOLD_S)
+            record["incomplete"] += [p.name for p in root.glob("step-*") if not (p / "train_state.json").exists()
+                                     or not (p / ".metadata").exists()]
 
     def timed_commit_if_done(self):
         pending, start, in_log_step[0] = self._pending is not None, time.monotonic(), True
@@ -66,10 +72,9 @@ def _rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> N
         return commit(root_, step, *args)
 
     FileSystemWriter.write_data = held_write
-    Trainer._log = logged_step
     CheckpointManager.commit_if_done = timed_commit_if_done
     ckpt.commit = recorded_commit
-    Trainer(load_config(None, [*TINY, *overrides])).run()
+    Trainer(load_config(None, [*TINY, *overrides]), observers=[LogSteps()]).run()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(record))
 
 

@@ -74,9 +74,9 @@ def test_every_run_sees_the_same_global_batches(data_root, tmp_path, capsys, dat
     assert read_audit(elastic / "samples.jsonl") == reference
 
     if dataset is mixture:  # the realized mixture is logged, and follows the 3:1 weights
-        from clustertrain.train.metrics import read_jsonl
+        from clustertrain.train.metrics import read_metrics
 
-        last = [r for r in read_jsonl(uninterrupted / "metrics.jsonl") if "mix/code" in r][-1]
+        last = [r for r in read_metrics(uninterrupted / "metrics.jsonl") if "mix/code" in r][-1]
         assert last["mix/code"] + last["mix/prose"] == pytest.approx(1.0)
         assert last["mix/code"] == pytest.approx(0.75, abs=0.15)
 

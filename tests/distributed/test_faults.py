@@ -17,16 +17,13 @@ import pytest
 import torch
 from helpers import RunProcesses, alive, children, final_weights, start, train, wait_for_saves, wait_for_step
 
-from clustertrain.checkpoint.manager import SAVE_FAILED_EXIT_CODE
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data.tokenize import train_bpe
 from clustertrain.distributed.faults import FAULT_ENV
-from clustertrain.distributed.watchdog import HANG_EXIT_CODE
+from clustertrain.errors import ExitCode
 from clustertrain.run_dir import RunDir
-from clustertrain.train.metrics import read_jsonl
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.train.metrics import read_metrics
 from clustertrain.train.status import read_status
-from clustertrain.train.step import DIVERGED_EXIT_CODE
 
 pytestmark = pytest.mark.dist
 
@@ -43,21 +40,21 @@ def test_nan_stops_the_run_before_it_is_saved_and_the_last_good_checkpoint_stays
     common = ["train.steps=8", "checkpoint.every=2", "checkpoint.keep_last=1",
               "metrics.log_every=100"]  # no log step between: the check before the save at step 6 is what stops it
     train(tmp_path, *common, "train.stop_after_steps=4")
-    result = train(tmp_path, *common, DIVERGING_LR, expect=DIVERGED_EXIT_CODE)
+    result = train(tmp_path, *common, DIVERGING_LR, expect=ExitCode.DIVERGED)
     assert "Traceback" not in result.stderr
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("error: step 6: the loss (nan) or the gradient norm (nan) is not finite"), error
     assert "lower optim.lr (now 1e+18)" in error and "step-0000004" in error
     assert checkpoints(tmp_path) == ["step-0000004"]  # with keep_last=1, a save of step 6 would have deleted it
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert status["state"] == "failed" and status["step"] == 6 and "Diverged" in status["error"]
 
 
 def test_nan_skip_skips_the_update_on_every_rank_and_gives_up_after_ten_in_a_row(tmp_path):
     result = train(tmp_path, "train.steps=14", "checkpoint.every=2", "train.on_nan=skip", DIVERGING_LR,
-                   "parallel.strategy=zero3", nproc=2, expect=DIVERGED_EXIT_CODE)
+                   "parallel.strategy=zero3", nproc=2, expect=ExitCode.DIVERGED)
     assert "steps 2-11: 10 steps in a row had a non-finite loss or gradient norm" in result.stderr
-    skipped = {r["step"]: r["nan_skipped"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "nan_skipped" in r}
+    skipped = {r["step"]: r["nan_skipped"] for r in read_metrics(tmp_path / "metrics.jsonl") if "nan_skipped" in r}
     assert skipped[2] == 1 and skipped[11] == 10
     assert checkpoints(tmp_path) == ["step-0000006", "step-0000008", "step-0000010"]
     before, after = final_weights(tmp_path, 6), final_weights(tmp_path, 10)
@@ -73,12 +70,12 @@ def test_a_signal_during_start_up_is_honoured_at_step_1(tmp_path, nproc, signum)
     time.sleep(1)  # importing torch, or (launcher) starting the ranks
     os.killpg(proc.pid, signum)  # as a terminal does: the launcher's process group (each rank has its own)
     stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-2000:]
+    assert proc.returncode == ExitCode.REQUEUE, stderr[-2000:]
     name = signal.Signals(signum).name
     assert f"{name} arrived while the run was starting: it saves and stops after step 1" in stdout
     assert f"stopped by {name} at step 1" in stderr
     assert checkpoints(tmp_path) == ["step-0000001"]
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert status["state"] == "preempted" and status["reason"] == name
 
 
@@ -90,7 +87,7 @@ def test_a_second_ctrl_c_exits_at_once_and_the_status_says_so(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # while it saves
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr[-2000:]
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert status["state"] == "failed" and "second Ctrl-C" in status["error"], status
 
 
@@ -127,11 +124,11 @@ def bad_jsonl(tmp_path_factory):
 # exit code). One rank runs without a launcher, as under torchrun or srun: nothing reaps for it.
 EXIT_PATHS = {
     "hang-76": (None, ["watchdog.heartbeat_s=0.5", "watchdog.step_timeout_s=2"], {FAULT_ENV: "collective@0:4=600"},
-                None, HANG_EXIT_CODE),
-    "preempted-75": (None, [], {}, "SIGTERM", REQUEUE_EXIT_CODE),
+                None, ExitCode.HUNG),
+    "preempted-75": (None, [], {}, "SIGTERM", ExitCode.REQUEUE),
     "lost-save-74": (None, ["checkpoint.every=4", "checkpoint.on_error=stop"], {}, "a file in the way",
-                     SAVE_FAILED_EXIT_CODE),
-    "diverged-3": (None, [DIVERGING_LR], {}, None, DIVERGED_EXIT_CODE),
+                     ExitCode.SAVE_FAILED),
+    "diverged-3": (None, [DIVERGING_LR], {}, None, ExitCode.DIVERGED),
     "user-error-2": (None, ["data.shuffle_buffer=1"], {}, None, 2),
     "rank-killed": (None, [], {}, "SIGKILL", -signal.SIGKILL),
     "rank-killed-under-nproc": (2, [], {}, "SIGKILL rank 1", 128 + signal.SIGKILL),

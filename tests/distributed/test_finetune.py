@@ -21,7 +21,8 @@ from clustertrain.checkpoint.export import load_checkpoint_model
 from clustertrain.config.load import load_config
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.lora import hf_name
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.run_dir import RunDir
+from clustertrain.train.metrics import read_metrics
 from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
@@ -66,7 +67,7 @@ def snapshot(tmp_path_factory):
 
 def assert_finished_with_a_sample(run_dir, result):
     """The run as users get it: exit 0 (checked by train), status finished, and the end-of-run sample shown."""
-    assert read_status(run_dir)["state"] == "finished"
+    assert read_status(RunDir(run_dir))["state"] == "finished"
     assert re.search(r"^ +sample  \s*\S", result.stdout, re.M), result.stdout[-2000:]  # from the run's data
     assert "sample failed" not in result.stdout
 
@@ -217,7 +218,8 @@ def test_zero3_loads_a_model_bigger_than_one_ranks_share(tmp_path):
     peak = {}
     for name, overrides in runs.items():
         train(tmp_path / name, *overrides, nproc=1 if name == "ddp" else 2)
-        peak[name] = next(r["load_mem_gb"] for r in read_jsonl(tmp_path / name / "metrics.jsonl") if "load_mem_gb" in r)
+        peak[name] = next(r["load_mem_gb"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                          if "load_mem_gb" in r)
     sharded, whole = peak["zero3"] - peak["tiny"], peak["ddp"] - peak["tiny"]
     print(f"model {model_gb:.3f} GB; peak after loading, above a tiny model's: largest zero3 rank {sharded:.3f} GB, "
           f"one full copy {whole:.3f} GB")

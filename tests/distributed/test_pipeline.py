@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import LayoutRuns, grad_norms, losses, run_cli, train
 
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -81,7 +81,7 @@ def test_pipeline_bf16_tracks_fp32(runs):
 def test_pipeline_evaluates_like_one_rank(runs, name, reference):
     """Evaluation forwards through the schedule: the held-out loss of the last stage, summed over dp ranks."""
     def evals(run_dir):
-        return {r["step"]: r["eval_loss"] for r in read_jsonl(run_dir / "metrics.jsonl") if "eval_loss" in r}
+        return {r["step"]: r["eval_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval_loss" in r}
 
     expected, got = evals(runs[reference]), evals(runs[name])
     assert sorted(got) == sorted(expected) == [2, 4]
@@ -94,7 +94,7 @@ def test_pipeline_fp16_scales_the_loss_and_tracks_fp32(runs):
         assert got[step] == pytest.approx(reference[step], rel=2e-2), f"step {step}"
     # fp16 rounding of a tiny model's first loss can vanish below fp32's resolution; over 4 steps it cannot
     assert got != reference, "half-precision compute should not be bit-identical to fp32"
-    scales = [r["loss_scale"] for r in read_jsonl(runs["pp2_fp16"] / "metrics.jsonl") if "loss" in r]
+    scales = [r["loss_scale"] for r in read_metrics(runs["pp2_fp16"] / "metrics.jsonl") if "loss" in r]
     assert len(scales) == 4 and scales[0] == 2.0**16
 
 

@@ -104,14 +104,14 @@ def _plan_then_shard(rank: int, port: int, out: str) -> None:
     from clustertrain.distributed.mesh import build_mesh
     from clustertrain.model.build import block_classes, build_model
     from clustertrain.model.loss import TokenLoss
-    from clustertrain.model.spec import load_checked_config
     from clustertrain.parallel.apply import parallelize
     from clustertrain.plan.auto import choose_layout
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.load import load_checked_config
+    from clustertrain.resolve.run import resolve
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     choose_layout(load_checked_config(None, [*TINY, "parallel.strategy=auto"]), 2, 2, "cpu")
-    run = resolve_run(load_checked_config(None, [*TINY, "parallel.strategy=zero3"]), 2, 2, "cpu")
+    run = resolve(load_checked_config(None, [*TINY, "parallel.strategy=zero3"]), 2, 2, "cpu")
     dist.init_process_group("gloo", rank=rank, world_size=2)
     cpu = torch.device("cpu")
     built = build_model(run.config.model, run.config.lora, None, run.config.data.vocab_size,

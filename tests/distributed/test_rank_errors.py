@@ -8,8 +8,9 @@ import json
 import pytest
 from helpers import train
 
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data.tokenize import train_bpe
+from clustertrain.run_dir import RunDir
 from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
@@ -48,7 +49,7 @@ def test_a_bad_line_one_rank_reads_is_the_one_error_shown_and_recorded(data, tmp
     result = train(tmp_path, *overrides(data, rank), nproc=2, expect=2, state="failed")  # after the start
     message = f"{data / f'bad-rank{rank}.jsonl'}:{BAD_LINE[rank]}: {EXPECTED}"
     assert result.stderr.strip() == f"error: {message}", result.stderr[-3000:]  # once, no traceback
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert status["error"] == f"DataError: {message}" + (" (rank 1)" if rank else ""), status
 
 
@@ -56,4 +57,4 @@ def test_a_data_error_in_a_loader_worker_is_its_own_one_line(data, tmp_path):
     result = train(tmp_path, *overrides(data, 0, "data.num_workers=1"), expect=2, state="failed")
     message = f"{data / 'bad-rank0.jsonl'}:{BAD_LINE[0]}: {EXPECTED}"
     assert result.stderr.strip() == f"error: {message}", result.stderr[-3000:]
-    assert read_status(tmp_path)["error"] == f"DataError: {message}"
+    assert read_status(RunDir(tmp_path))["error"] == f"DataError: {message}"

@@ -18,8 +18,9 @@ import pytest
 from helpers import losses, start, train, wait_for_step
 
 from clustertrain.cli.logs import setup_logging
+from clustertrain.errors import ExitCode
+from clustertrain.run_dir import RunDir
 from clustertrain.train.lock import LOCK_FILE, STALE_AFTER_S, Holder, RunDirLocked, RunLock, lock_run_dir, read_holder
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
 from clustertrain.train.status import read_status
 
 pytestmark = pytest.mark.dist
@@ -52,11 +53,11 @@ def snapshot(run_dir: Path) -> dict[str, float]:
 def test_a_held_lock_refuses_a_second_holder_by_name_and_release_frees_it(tmp_path, monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     run_dir = tmp_path / "runs" / "a"
-    first = RunLock.acquire(run_dir)
+    first = RunLock.acquire(RunDir(run_dir))
     try:
         assert read_holder(run_dir / LOCK_FILE) == first.holder
         with pytest.raises(RunDirLocked) as refused:
-            RunLock.acquire(run_dir)
+            RunLock.acquire(RunDir(run_dir))
         message = str(refused.value)
         assert "\n" not in message and f"{run_dir} is in use by another run (pid {os.getpid()} on " in message
         assert f"{socket.gethostname()}, Slurm job 4242, since " in message
@@ -64,14 +65,14 @@ def test_a_held_lock_refuses_a_second_holder_by_name_and_release_frees_it(tmp_pa
     finally:
         first.release()
     assert not (tmp_path / "runs").exists()  # acquire() made runs/a; empty, both go with the lock
-    second = RunLock.acquire(run_dir)
+    second = RunLock.acquire(RunDir(run_dir))
     second.release()
 
 
 def test_the_heartbeat_refreshes_the_lock_and_warns_once_it_was_taken_over(tmp_path, monkeypatch, capsys):
     setup_logging("info")
     monkeypatch.setattr("clustertrain.train.lock.HEARTBEAT_S", 0.05)
-    lock = RunLock.acquire(tmp_path)
+    lock = RunLock.acquire(RunDir(tmp_path))
     try:
         path = tmp_path / LOCK_FILE
         os.utime(path, (0, 0))
@@ -89,7 +90,7 @@ def test_the_heartbeat_refreshes_the_lock_and_warns_once_it_was_taken_over(tmp_p
 
 
 def test_release_keeps_a_lock_that_another_run_took_over(tmp_path):
-    lock = RunLock.acquire(tmp_path)
+    lock = RunLock.acquire(RunDir(tmp_path))
     theirs = plant_lock(tmp_path)
     lock.release()
     assert read_holder(tmp_path / LOCK_FILE) == theirs
@@ -107,7 +108,7 @@ def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, monkeypatch, fields, a
         fields = {**fields, "pid": dead_pid()}
     stale = plant_lock(tmp_path, age_s, **fields)
     notes: list[str] = []
-    lock = RunLock.acquire(tmp_path, note=notes.append)
+    lock = RunLock.acquire(RunDir(tmp_path), note=notes.append)
     try:
         assert lock.owned() and lock.holder.pid == os.getpid()
         assert len(notes) == 1 and f"took over the lock of {tmp_path} from pid {stale.pid}" in notes[0]
@@ -126,18 +127,18 @@ def test_a_live_lock_is_not_taken_over(tmp_path, monkeypatch, fields):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     theirs = plant_lock(tmp_path, **fields)
     with pytest.raises(RunDirLocked, match=f"pid {theirs.pid} on elsewhere"):
-        RunLock.acquire(tmp_path)
+        RunLock.acquire(RunDir(tmp_path))
     assert read_holder(tmp_path / LOCK_FILE) == theirs
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]  # no leftovers of the attempt
 
 
 def test_without_a_process_group_rank_0_locks_alone(tmp_path):
-    lock = lock_run_dir(tmp_path / "run", rank0=True)
+    lock = lock_run_dir(RunDir(tmp_path / "run"), rank0=True)
     assert lock is not None and lock.owned()
     lock.release()
     with pytest.raises(RunDirLocked, match="cannot use"):
         (tmp_path / "file").write_text("")
-        lock_run_dir(tmp_path / "file" / "run", rank0=True)
+        lock_run_dir(RunDir(tmp_path / "file" / "run"), rank0=True)
 
 
 # ---- real runs ---------------------------------------------------------------------------------
@@ -156,8 +157,8 @@ def test_a_second_run_on_a_held_directory_exits_2_on_every_rank_and_the_first_go
     finally:
         first.send_signal(signal.SIGTERM)
         _, stderr = first.communicate(timeout=120)
-    assert first.returncode == REQUEUE_EXIT_CODE, stderr[-3000:]
-    assert read_status(tmp_path)["state"] == "preempted"
+    assert first.returncode == ExitCode.REQUEUE, stderr[-3000:]
+    assert read_status(RunDir(tmp_path))["state"] == "preempted"
     steps = [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
              if r.get("loss") is not None]
     assert steps == list(range(1, len(steps) + 1))  # one writer: no interleaved or repeated steps
@@ -170,14 +171,14 @@ def test_a_dead_runs_lock_is_taken_over_and_a_refused_resume_leaves_the_run_fini
     plant_lock(tmp_path, pid=dead_pid())
     result = train(tmp_path, "train.steps=2")
     assert "note: took over the lock of" in result.stdout + result.stderr
-    assert read_status(tmp_path)["state"] == "finished" and not (tmp_path / LOCK_FILE).exists()
+    assert read_status(RunDir(tmp_path))["state"] == "finished" and not (tmp_path / LOCK_FILE).exists()
     before = snapshot(tmp_path)
     refused = train(tmp_path, "train.steps=2", "data.shuffle_buffer=512", expect=2)
     error = refused.stderr.strip().splitlines()[-1]
     assert error == ("error: the checkpoint's data position was taken over other data: "
                      "data.shuffle_buffer: 1024 -> 512; restore it to resume"), refused.stderr
     assert snapshot(tmp_path) == before
-    assert read_status(tmp_path)["state"] == "finished"
+    assert read_status(RunDir(tmp_path))["state"] == "finished"
 
 
 def test_a_refused_start_leaves_no_run_directory(tmp_path):

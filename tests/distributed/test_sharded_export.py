@@ -14,7 +14,7 @@ from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root, load_tokenizer
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.metrics import read_metrics
 
 pytestmark = pytest.mark.dist
 
@@ -73,6 +73,6 @@ def test_a_sharded_checkpoint_exports_the_model_the_run_trained(runs, exports, n
         got, expected = exported(ids).logits, one_rank(ids).logits
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5), (got - expected).abs().max()
     # and independently of the 1-rank run: the exported model gives the held-out loss this run logged at its end
-    logged = [r["eval_loss"] for r in read_jsonl(runs[name] / "metrics.jsonl") if "eval_loss" in r]
+    logged = [r["eval_loss"] for r in read_metrics(runs[name] / "metrics.jsonl") if "eval_loss" in r]
     assert len(logged) == 1
     assert held_out_loss(exported, runs[name]) == pytest.approx(logged[0], rel=1e-5)

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from clustertrain.config.load import load_config
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import cache_root
+from clustertrain.run_dir import RunDir
 from clustertrain.train.sample import data_prompt
 from clustertrain.train.status import read_status
 
@@ -144,7 +145,7 @@ def test_every_layout_ends_with_a_sample_of_its_own_data(runs, name, prompt):
     stdout = (runs[name] / "stdout.log").read_text()
     assert re.search(r"^ +sample  " + re.escape(prompt), stdout, re.M), stdout[-2000:]
     assert "sample failed" not in stdout
-    assert read_status(runs[name])["state"] == "finished"
+    assert read_status(RunDir(runs[name]))["state"] == "finished"
 
 
 @pytest.mark.parametrize("name", list(HALF_PRECISION))
@@ -164,9 +165,9 @@ def test_half_precision_tracks_fp32_at_every_step(runs, name):
 
 
 def fp16_records(run_dir):
-    from clustertrain.train.metrics import read_jsonl
+    from clustertrain.train.metrics import read_metrics
 
-    return {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r}
 
 
 def grad_scaler_state(run_dir, step):
@@ -220,9 +221,9 @@ def test_fp16_resume_restores_the_scaler(overflowing, tmp_path):
 
 
 def test_evaluation_is_logged(runs):
-    from clustertrain.train.metrics import read_jsonl
+    from clustertrain.train.metrics import read_metrics
 
-    evals = [r for r in read_jsonl(runs["zero3_bf16"] / "metrics.jsonl") if "eval_loss" in r]
+    evals = [r for r in read_metrics(runs["zero3_bf16"] / "metrics.jsonl") if "eval_loss" in r]
     assert [r["step"] for r in evals] == [5, 10]
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
     assert evals[1]["eval_ppl"] == pytest.approx(math.exp(evals[1]["eval_loss"]), rel=1e-6)
@@ -246,9 +247,9 @@ def test_tensorboard_reads_back(runs):
 
 
 def test_metrics_have_the_documented_keys(runs):
-    from clustertrain.train.metrics import read_jsonl
+    from clustertrain.train.metrics import read_metrics
 
-    record = [r for r in read_jsonl(runs["ddp"] / "metrics.jsonl") if "loss" in r][-1]
+    record = [r for r in read_metrics(runs["ddp"] / "metrics.jsonl") if "loss" in r][-1]
     assert {"step", "time", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "mem_gb", "eta_s"} <= set(record)
     assert record["tokens_per_s"] > 0 and 0 < record["mfu"] < 1
 

@@ -15,7 +15,7 @@ from helpers import check_ending, descendants, final_weights, losses, start, tra
 from torch.testing import assert_close
 
 from clustertrain.distributed.faults import FAULT_ENV
-from clustertrain.distributed.watchdog import HANG_EXIT_CODE
+from clustertrain.errors import ExitCode
 from clustertrain.run_dir import RunDir
 from clustertrain.train.status import read_status
 
@@ -34,9 +34,9 @@ def heartbeat(run_dir, rank: int) -> dict:
 def test_a_rank_late_inside_a_collective_is_named_and_the_resume_ends_like_an_uninterrupted_run(tmp_path):
     hung, whole = tmp_path / "hung", tmp_path / "whole"
     began = time.monotonic()
-    result = train(hung, *WATCH, *STEPS, nproc=2, env={FAULT_ENV: "collective@1:7=600"}, expect=HANG_EXIT_CODE)
+    result = train(hung, *WATCH, *STEPS, nproc=2, env={FAULT_ENV: "collective@1:7=600"}, expect=ExitCode.HUNG)
     assert time.monotonic() - began < 90  # not the 600 s sleep, not gloo's 10-minute timeout
-    status = read_status(hung)
+    status = read_status(RunDir(hung))
     assert (status["stuck_ranks"], status["phase"], status["step"]) == ([1], "step", 7), status
     line = [x for x in result.stderr.splitlines() if x.startswith("error: hang:")]
     assert len(line) == 1 and "rank 1" in line[0] and "faults.py" in line[0] and "waits in a collective" in line[0], \
@@ -66,9 +66,9 @@ def test_a_stopped_or_killed_rank_is_named_by_its_missing_heartbeat(tmp_path, si
     os.kill(victim, sig)
     began = time.monotonic()
     _, stderr = proc.communicate(timeout=120)
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     if sig == signal.SIGSTOP:
-        assert proc.returncode == HANG_EXIT_CODE, stderr
+        assert proc.returncode == ExitCode.HUNG, stderr
         assert time.monotonic() - began < 4 + 10, stderr  # the step timeout, then 2.5 beats of silence
         assert status["state"] == "hung" and status["stuck_ranks"] == [1], status
         # the step it stopped in is the one rank 0 waits in (every step's gradients need both ranks), not the

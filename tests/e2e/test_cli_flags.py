@@ -15,6 +15,7 @@ from rich.console import Console
 
 from clustertrain.cli import main
 from clustertrain.cli.logs import setup_logging
+from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import MetricsLogger
 
 FORMS = ["--set", "data.sources.0.path=a.txt", "--data.sources.0.weight", "2", "--optim.lr=1e-3",
@@ -114,7 +115,7 @@ def test_debug_shows_the_arguments_as_read(capsys):
 def logger(buffer: io.StringIO) -> MetricsLogger:
     import tempfile
 
-    return MetricsLogger(tempfile.mkdtemp(), total_steps=1, tensorboard=False, progress="lines",
+    return MetricsLogger(RunDir(tempfile.mkdtemp()), total_steps=1, tensorboard=False, progress="lines",
                          console=Console(file=buffer, width=200))
 
 

@@ -12,6 +12,7 @@ import pytest
 from helpers import ONE_THREAD, TINY, kill_tree
 
 from clustertrain.checkpoint.dcp import latest_checkpoint
+from clustertrain.run_dir import RunDir
 from clustertrain.train.status import read_status
 
 
@@ -30,7 +31,7 @@ def test_a_reader_that_closes_after_four_lines_does_not_end_the_run(tmp_path):
     assert all(head), head  # the reader did get its lines
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert (status["state"], status["step"]) == ("finished", 6), status
     assert latest_checkpoint(tmp_path / "checkpoints").name == "step-0000006"
 

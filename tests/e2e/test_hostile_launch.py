@@ -20,7 +20,8 @@ from filelock import FileLock
 from helpers import TINY, children, start, wait_for_step, write_tiny_repo
 
 from clustertrain.cli import main
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
+from clustertrain.errors import ExitCode
+from clustertrain.run_dir import RunDir
 from clustertrain.train.status import read_status
 
 
@@ -48,7 +49,7 @@ def test_master_port_in_use_with_env_launched_ranks_is_one_line(tmp_path, monkey
 def test_resume_with_fewer_steps_than_the_checkpoint_is_refused_and_changes_nothing(tmp_path, capsys):
     assert main(tiny_train(tmp_path, "train.steps=4")) == 0
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     capsys.readouterr()
     assert main(tiny_train(tmp_path, "train.steps=2")) == 2  # it printed "step 4/2" and exited 0
     checkpoint = tmp_path / "checkpoints" / "step-0000004"
@@ -56,7 +57,7 @@ def test_resume_with_fewer_steps_than_the_checkpoint_is_refused_and_changes_noth
                                        "train.steps to train past step 4, or start over with --resume none "
                                        "--overwrite\n")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved
-    assert read_status(tmp_path) == status
+    assert read_status(RunDir(tmp_path)) == status
 
 
 @pytest.mark.dist  # trains a tiny GPT-2 in this process
@@ -91,7 +92,7 @@ def test_a_rank_killed_under_nproc_is_the_launchers_line_not_rank_0s_traceback(t
     # Rank 0 names the rank from its heartbeat, not "lost its connection to another rank".
     assert re.fullmatch(rf"error: rank 1 \(host \S+, pid {ranks[1]}\) died without a word \(its last heartbeat, "
                         r"\d+ s ago, in [^;]+; killed\? out of memory\? see `dmesg` on its host\)", rank0), rank0
-    status = read_status(tmp_path)
+    status = read_status(RunDir(tmp_path))
     assert status["state"] == "failed" and status["error"] == rank0.removeprefix("error: "), status
 
 
@@ -141,7 +142,7 @@ def test_a_download_stopped_by_sigterm_says_so_removes_its_partial_file_and_exit
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)  # at once: the stream would never end by itself
-    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-3000:]
+    assert proc.returncode == ExitCode.REQUEUE, stderr[-3000:]
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the download of org/big was stopped by SIGTERM; its "
                                                    "partial files ("), stderr

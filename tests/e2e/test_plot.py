@@ -10,7 +10,8 @@ import pytest
 from helpers import run_cli, train
 
 from clustertrain.cli import main
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.run_dir import RunDir
+from clustertrain.train.metrics import read_metrics
 from clustertrain.train.plots import run_curves
 
 pytestmark = pytest.mark.dist  # trains
@@ -25,9 +26,9 @@ def test_plot_stitches_a_resumed_run_and_overlays_several_runs(tmp_path):
     shutil.rmtree(run / "checkpoints" / "step-0000006")
     train(run, "train.steps=6", "train.eval_every=3", "train.eval_batches=1", "metrics.log_every=2",
           "checkpoint.every=2")
-    records = read_jsonl(run / "metrics.jsonl")
+    records = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 4, 6, 6]  # the restart logs step 6 again
-    a = run_curves(run)
+    a = run_curves(RunDir(run))
     assert a.name == "a" and a.resumes == [4]
     for key in ("loss", "lr", "tokens_per_s", "mfu", "mem_gb"):  # each step once, the restart's record last
         last = {r["step"]: r[key] for r in records if r.get(key) is not None}

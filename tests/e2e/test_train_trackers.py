@@ -18,8 +18,8 @@ import pytest
 import yaml
 from helpers import check_ending, losses, start, train, wait_for_step
 
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.errors import ExitCode
+from clustertrain.train.metrics import read_metrics
 
 pytestmark = pytest.mark.dist  # trains
 
@@ -70,7 +70,7 @@ def test_wandb_offline_and_mlflow_hold_the_config_plan_and_every_metric_and_a_re
     shutil.rmtree(run / "checkpoints" / "step-0000004")
     train(run, *trackers, "train.steps=4", "checkpoint.every=2", "train.eval_every=2", "train.eval_batches=1")
     assert json.loads((run / "trackers.json").read_text()) == ids  # the same tracker runs
-    records = read_jsonl(run / "metrics.jsonl")
+    records = read_metrics(run / "metrics.jsonl")
     logged = [(r["step"], r["loss"]) for r in records if "loss" in r]
     assert [step for step, _ in logged] == [1, 2, 3, 4, 3, 4]
 
@@ -142,7 +142,7 @@ def test_an_mlflow_server_that_never_answers_is_dropped_with_one_warning_and_the
                              "metrics.jsonl has every number\n")
     speed = {}
     for name in ("plain", "stalled"):
-        records = read_jsonl(tmp_path / name / "metrics.jsonl")
+        records = read_metrics(tmp_path / name / "metrics.jsonl")
         assert max(losses(tmp_path / name)) == 300
         # past MLflow's import (on its thread: a second or two of CPU in the first steps, as for any MLflow run)
         speed[name] = statistics.median(r["tokens_per_s"] for r in records if r["step"] > 150 and "tokens_per_s" in r)
@@ -164,7 +164,7 @@ def test_sigterm_during_a_stalled_tracker_call_saves_and_exits_75_within_30_s(tm
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     took = time.monotonic() - signalled
-    check_ending(tmp_path, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), REQUEUE_EXIT_CODE)
+    check_ending(tmp_path, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), ExitCode.REQUEUE)
     assert took < 30, took  # the limit less the seconds from MLflow's start to step 2, and the exit: 13.5 s measured
     saved = sorted((tmp_path / "checkpoints").glob("step-*"))
     assert [int(p.name.split("-")[1]) for p in saved] == [max(losses(tmp_path))]

@@ -12,8 +12,8 @@ import torch
 from helpers import (SLOW_WRITE_ENV, final_weights, grad_norms, losses, slow_checkpoint_writes, start, train,
                      wait_for_step)
 
-from clustertrain.distributed.stop import REQUEUE_EXIT_CODE
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.errors import ExitCode
+from clustertrain.train.metrics import read_metrics
 
 # attention dropout draws from the CUDA generator at every step; eager attention and float32 keep every kernel
 # deterministic (sdpa's fused backward kernels accumulate with atomics)
@@ -41,11 +41,11 @@ def test_sigterm_saves_and_the_resume_on_another_gpu_count_ends_bit_identical(tm
     wait_for_step(tmp_path / "stopped", 3, proc)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=180)
-    assert proc.returncode == REQUEUE_EXIT_CODE, stderr[-3000:]
+    assert proc.returncode == ExitCode.REQUEUE, stderr[-3000:]
     stopped = max(losses(tmp_path / "stopped"))
     assert f"stopped by SIGTERM at step {stopped}" in stderr and 3 <= stopped < 8
     # auto on a GPU: the step that saves waits for a copy into pinned host memory, not for the slowed write
-    blocking = [r["checkpoint_blocking_s"] for r in read_jsonl(tmp_path / "stopped" / "metrics.jsonl")
+    blocking = [r["checkpoint_blocking_s"] for r in read_metrics(tmp_path / "stopped" / "metrics.jsonl")
                 if "checkpoint_blocking_s" in r]
     assert blocking and blocking[0] < SLOW_WRITE_S / 2, blocking
 

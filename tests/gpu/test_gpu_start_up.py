@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import LayoutRuns, grad_norms, losses, train
 
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.metrics import read_metrics
 
 STEPS = ["train.steps=6", "checkpoint.every=0", "parallel.param_dtype=float32"]
 STRATEGIES = ["ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3"]
@@ -74,7 +74,7 @@ def test_fused_adamw_on_the_gpu_trains_as_foreach(runs):
 
 def test_float16_trains_with_the_sharded_loss_scaler(runs):
     run = runs["fp16"]
-    scales = [r["loss_scale"] for r in read_jsonl(run / "metrics.jsonl") if "loss_scale" in r]
+    scales = [r["loss_scale"] for r in read_metrics(run / "metrics.jsonl") if "loss_scale" in r]
     assert scales and all(0 < s < float("inf") for s in scales), scales
     # within float16's rounding of the float32 run, and the gradient norm unscaled before it is clipped and
     # logged (scaled, it would be ~65,536 times larger)
@@ -97,7 +97,7 @@ def test_the_default_dtype_is_bf16_and_memory_is_reported_per_interval(runs):
     run = runs["auto"]
     ran = yaml.safe_load((run / "config.yaml").read_text())["parallel"]["param_dtype"]
     assert ran == ("bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32")
-    steps = [r for r in read_jsonl(run / "metrics.jsonl") if "mem_gb" in r]
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "mem_gb" in r]
     assert steps and all(0 < r["mem_gb"] <= r["mem_reserved_gb"] for r in steps), steps
     assert losses(run) == pytest.approx(losses(runs["zero3"]), rel=5e-2)  # bf16 tracks the float32 run
 

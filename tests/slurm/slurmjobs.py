@@ -9,7 +9,8 @@ from pathlib import Path
 from helpers import TINY, require, run_cli
 
 from clustertrain.launch.jobs import ACTIVE_STATES, job_ids, job_states, read_chain
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.run_dir import RunDir
+from clustertrain.train.metrics import read_metrics
 
 # Long enough (tens of seconds) for Slurm's warning to land mid-run; logs rarely, to keep steps cheap.
 LONG = (*TINY, "metrics.log_every=50", "checkpoint.every=100")
@@ -37,7 +38,7 @@ def cancel_jobs(run_dir: Path, settle_s: float = 90) -> None:
     it or submit a follow-up, so look again until the chain has ended for good or stayed quiet for 3 s."""
     deadline, quiet = time.monotonic() + settle_s, 0
     while time.monotonic() < deadline and quiet < 3:
-        active = [j for j, state in job_states(job_ids(read_chain(run_dir))).items() if state in ACTIVE_STATES]
+        active = [j for j, state in job_states(job_ids(read_chain(RunDir(run_dir)))).items() if state in ACTIVE_STATES]
         if active:
             subprocess.run(["scancel", *active], capture_output=True)
             quiet = 0
@@ -54,12 +55,12 @@ def log(run_dir: Path) -> str:
 
 
 def outcomes(run_dir: Path) -> list[str]:
-    return [e["outcome"] for e in read_chain(run_dir) if e["event"] == "ended"]
+    return [e["outcome"] for e in read_chain(RunDir(run_dir)) if e["event"] == "ended"]
 
 
 def last_step(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
-    return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
+    return max((r["step"] for r in read_metrics(path)), default=0) if path.exists() else 0
 
 
 def wait_for(condition, run_dir: Path, what: str, timeout: float = 400) -> None:
@@ -68,7 +69,8 @@ def wait_for(condition, run_dir: Path, what: str, timeout: float = 400) -> None:
     while not condition():
         if time.monotonic() > deadline:
             queue = subprocess.run(["squeue"], capture_output=True, text=True).stdout
-            raise AssertionError(f"timed out waiting for {what}\nchain: {read_chain(run_dir)}\nqueue:\n{queue}\n"
+            chain = read_chain(RunDir(run_dir))
+            raise AssertionError(f"timed out waiting for {what}\nchain: {chain}\nqueue:\n{queue}\n"
                                  f"log:\n{log(run_dir)[-4000:]}")
         time.sleep(1)
 

@@ -9,6 +9,7 @@ import pytest
 from slurmjobs import log, require_slurm, submit, wait_until_done
 
 from clustertrain.launch.jobs import read_chain
+from clustertrain.run_dir import RunDir
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
 
@@ -35,7 +36,7 @@ def test_a_failed_start_is_retried_off_the_named_node_and_finishes(tmp_path):
     job = submit(run_dir, "train.steps=10", f"slurm.python={doctor_naming_its_node(run_dir)}",
                  env={"CLUSTERTRAIN_FAULT": "start@0:0=1"})
     assert wait_until_done(run_dir, timeout=240) == ["retried", "finished"]
-    starts = [e for e in read_chain(run_dir) if e["event"] == "started"]
+    starts = [e for e in read_chain(RunDir(run_dir)) if e["event"] == "started"]
     assert [(e["job_id"], e["restart"]) for e in starts] == [(job, 0), (job, 1)]  # requeued: the same job id
     first, second = starts[0]["nodes"], starts[1]["nodes"]
     assert first != second, (first, second)  # node1 and node2 are the only nodes
@@ -44,7 +45,7 @@ def test_a_failed_start_is_retried_off_the_named_node_and_finishes(tmp_path):
     assert "the run failed before its first step (exit code 1" in text
     assert "retry 1 of at most 2 (slurm.max_start_retries)" in text
     assert f"excluding {first} (named by clustertrain doctor) from the next start" in text
-    assert read_chain(run_dir)[2]["excluded"] == first
+    assert read_chain(RunDir(run_dir))[2]["excluded"] == first
 
 
 def test_start_failures_past_max_start_retries_give_up(tmp_path):

@@ -25,5 +25,5 @@ def test_a_hung_rank_ends_the_job_which_is_requeued_and_finishes(tmp_path):
     assert wait_until_done(tmp_path) == ["requeued", "finished"]
     text = log(tmp_path)
     assert "hang: rank 1" in text and "stopped beating" in text and "excluding node" in text, text[-3000:]
-    ended = [e for e in read_chain(tmp_path) if e["event"] == "ended"]
-    assert ended[0]["exit_code"] != 0 and read_status(tmp_path)["state"] == "finished"
+    ended = [e for e in read_chain(RunDir(tmp_path)) if e["event"] == "ended"]
+    assert ended[0]["exit_code"] != 0 and read_status(RunDir(tmp_path))["state"] == "finished"

@@ -11,6 +11,7 @@ from slurmjobs import (LONG, last_step, log, outcomes, require_slurm, scancel, s
                        wait_until_done)
 
 from clustertrain.launch.jobs import read_chain
+from clustertrain.run_dir import RunDir
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
 
@@ -36,7 +37,7 @@ def test_two_node_job_runs_one_rank_per_node(tmp_path):
     submit(tmp_path, "train.steps=20", "slurm.nodes=2", "slurm.tasks_per_node=1")
     assert wait_until_done(tmp_path) == ["finished"]
     assert "2 rank(s) on 2 node(s) via slurm" in log(tmp_path)
-    assert read_chain(tmp_path)[1]["nodes"] == "node[1-2]"
+    assert read_chain(RunDir(tmp_path))[1]["nodes"] == "node[1-2]"
 
 
 def test_a_real_error_is_not_requeued_and_odd_names_are_quoted(tmp_path):
@@ -68,7 +69,7 @@ def test_dependency_mode_submits_a_follow_up_job_and_status_shows_the_chain(tmp_
     wait_for(lambda: last_step(tmp_path) >= 50, tmp_path, "step 50")
     scancel("--signal=USR1", first)
     assert wait_until_done(tmp_path) == ["resubmitted", "finished"]
-    chain = read_chain(tmp_path)
+    chain = read_chain(RunDir(tmp_path))
     follow_up = chain[2]["next_job"]
     assert follow_up != first and [e["job_id"] for e in chain if e["event"] == "started"] == [first, follow_up]
     status = run_cli("slurm", "status", str(tmp_path))

@@ -11,6 +11,7 @@ from helpers import final_weights, train
 from slurmjobs import LONG, last_step, log, outcomes, require_slurm, scancel, submit, wait_for, wait_until_done
 
 from clustertrain.launch.jobs import read_chain
+from clustertrain.run_dir import RunDir
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
 STEPS = 3000  # about 60 s of training on 2 idle cores: still training when the USR1 sent at step 100 arrives
@@ -39,7 +40,7 @@ def test_usr1_checkpoints_requeues_and_finishes_like_an_uninterrupted_run(tmp_pa
     text = log(tmp_path)
     stopped = int(re.search(r"stopped by SIGUSR1 at step (\d+) after saving", text)[1])
     assert f"resuming from {tmp_path}/checkpoints/step-{stopped:07d} at step {stopped}" in text
-    starts = [e for e in read_chain(tmp_path) if e["event"] == "started"]
+    starts = [e for e in read_chain(RunDir(tmp_path)) if e["event"] == "started"]
     assert [(e["job_id"], e["restart"]) for e in starts] == [(job, 0), (job, 1)]  # the same job id, requeued
     assert_same_weights(tmp_path, uninterrupted)
 
@@ -58,5 +59,5 @@ def test_time_limit_warning_saves_requeues_and_resumes(tmp_path):
     wait_for(lambda: resumed in log(tmp_path) and last_step(tmp_path) > stopped, tmp_path, "the resumed run")
     scancel("--signal=USR1", job)
     assert wait_until_done(tmp_path) == ["requeued", "gave-up"]
-    starts = [(e["job_id"], e["restart"]) for e in read_chain(tmp_path) if e["event"] == "started"]
+    starts = [(e["job_id"], e["restart"]) for e in read_chain(RunDir(tmp_path)) if e["event"] == "started"]
     assert starts == [(job, 0), (job, 1)]

@@ -12,6 +12,7 @@ from forkserver import Forked
 from helpers import _run_once, alive, check_ending, popen
 
 from clustertrain.config.load import dump_config, load_config
+from clustertrain.run_dir import RunDir
 from clustertrain.train.status import write_status
 
 SUMMARY = "run directory  /r\n         loss  6.250 at step 1 -> 5.948 at step 4\n       sample  def f(x)\n"
@@ -25,7 +26,7 @@ def ended(run_dir, code, stdout=SUMMARY, *overrides):
 
 
 def test_a_finished_run_passes_and_each_way_of_ending_wrongly_fails(tmp_path):
-    write_status(tmp_path, "finished", step=4, total_steps=4)
+    write_status(RunDir(tmp_path), "finished", step=4, total_steps=4)
     check_ending(tmp_path, ended(tmp_path, 0))
     with pytest.raises(AssertionError, match="exit 1"):
         check_ending(tmp_path, ended(tmp_path, 1), 0)
@@ -34,21 +35,21 @@ def test_a_finished_run_passes_and_each_way_of_ending_wrongly_fails(tmp_path):
     with pytest.raises(AssertionError, match="the end-of-run sample failed"):
         check_ending(tmp_path, ended(tmp_path, 0, SUMMARY + "warning: the end-of-run sample failed (ValueError)\n"))
     check_ending(tmp_path, ended(tmp_path, 0, "no summary at all", "parallel.pp=2"))  # pipelined: no sample
-    write_status(tmp_path, "running", step=2, total_steps=4)
+    write_status(RunDir(tmp_path), "running", step=2, total_steps=4)
     with pytest.raises(AssertionError, match="expected 'finished'"):
         check_ending(tmp_path, ended(tmp_path, 0))
 
 
 def test_stopped_preempted_failed_and_refused_runs_need_their_own_states(tmp_path):
-    write_status(tmp_path, "stopped", step=2, total_steps=4)
+    write_status(RunDir(tmp_path), "stopped", step=2, total_steps=4)
     check_ending(tmp_path, ended(tmp_path, 0, SUMMARY, "train.stop_after_steps=2"))
     with pytest.raises(AssertionError, match="expected 'finished'"):  # without stop_after_steps, a run goes on
         check_ending(tmp_path, ended(tmp_path, 0))
-    write_status(tmp_path, "preempted", step=2, total_steps=4)
+    write_status(RunDir(tmp_path), "preempted", step=2, total_steps=4)
     check_ending(tmp_path, ended(tmp_path, 75), 75)
     with pytest.raises(AssertionError, match="expected 'failed'"):
         check_ending(tmp_path, ended(tmp_path, 3), 3)
-    write_status(tmp_path, "failed", step=2, total_steps=4)
+    write_status(RunDir(tmp_path), "failed", step=2, total_steps=4)
     check_ending(tmp_path, ended(tmp_path, 74), 74)
     check_ending(tmp_path, ended(tmp_path, 2), 2, state="failed")  # a user error after the start
     before = yaml.safe_load((tmp_path / "status.json").read_text())

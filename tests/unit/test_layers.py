@@ -11,8 +11,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "clustertrain"
 # top to bottom: a layer may import the layers below it, never those above
-LAYERS = ["cli", "doctor", "launch", "train inference harness", "plan", "checkpoint", "parallel", "model", "lora", "data", "distributed", "config",
-          "errors files torch_check run_dir"]
+LAYERS = ["cli", "doctor", "launch", "train inference harness", "resolve", "plan", "checkpoint", "parallel", "model", "lora", "data", "distributed", "config",
+          "errors files torch_check run_dir hardware"]
 RANK = {name: rank for rank, names in enumerate(LAYERS) for name in names.split()}
 
 

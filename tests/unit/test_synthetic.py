@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from clustertrain.config.schema import DataConfig, SourceConfig
+from clustertrain.config.data_schema import DataConfig, SourceConfig
 from clustertrain.data.synthetic import KINDS, is_correct, make_records, read_task, write_task
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.errors import DataError

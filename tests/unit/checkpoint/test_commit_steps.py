@@ -43,8 +43,8 @@ def published(root: Path) -> list[Path]:
 
 def resume_from(trainer: Trainer, folder: Path) -> int:
     """Load `folder` as a resume does (into the trainer's model, optimizer and loader); its step."""
-    state = load_checkpoint(folder, trainer.runner.parts, trainer.optimizer)
-    trainer.loader.load_state_dict(state.data)
+    state = load_checkpoint(folder, trainer.model.runner.parts, trainer.optim.optimizer)
+    trainer.data.loader.load_state_dict(state.data)
     assert (folder / "config.yaml").is_file() and (folder / "tokenizer" / "tokenizer.json").is_file(), folder
     return state.step
 

@@ -424,11 +424,11 @@ def test_bad_config_in_a_real_process(name, tmp_path):
 def test_eval_tasks_without_lm_eval_names_the_extra(monkeypatch):
     import importlib.util
 
-    from clustertrain.config.load import load_config
     from clustertrain.errors import ConfigError
+    from clustertrain.resolve.load import load_checked_config
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a))
     with pytest.raises(ConfigError, match=r"train.eval_tasks needs lm-evaluation-harness: pip install 'clustertrain\[eval\]'"):
-        load_config(None, ["train.eval_tasks=[arc_easy]"])
-    load_config(None, [])  # without eval tasks, lm-eval is not needed
+        load_checked_config(None, ["train.eval_tasks=[arc_easy]"])
+    load_checked_config(None, [])  # without eval tasks, lm-eval is not needed

@@ -10,7 +10,7 @@ import yaml
 
 from clustertrain.cli import main
 from clustertrain.model.build import build_hf_config
-from clustertrain.model.spec import load_checked_config
+from clustertrain.resolve.load import load_checked_config
 
 FIXTURES = sorted((Path(__file__).parents[2] / "fixtures" / "hf_configs").glob("*.json"))
 

@@ -9,7 +9,7 @@ import pytest
 
 from clustertrain.config.load import dump_config, load_config
 from clustertrain.errors import ConfigError
-from clustertrain.model.spec import load_checked_config
+from clustertrain.resolve.load import load_checked_config
 
 CONFIGS = sorted((Path(__file__).parents[3] / "configs").glob("*.*"))
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from clustertrain.config.checks import check_world
+from clustertrain.config.layout import check_world
 from clustertrain.launch.slurm import job_spec, render_script
-from clustertrain.model.spec import load_checked_config, model_shape
+from clustertrain.model.spec import model_shape
+from clustertrain.resolve.load import load_checked_config
 
 ROOT = Path(__file__).parents[3]
 CONFIGS = sorted((ROOT / "configs").glob("*.*"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clustertrain.config.schema import DataConfig, SourceConfig
+from clustertrain.config.data_schema import DataConfig, SourceConfig
 from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.data.plan import DataPlan

@@ -12,7 +12,7 @@ import torch
 from helpers import TINY
 
 from clustertrain.cli import main
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data.holdout import HeldOut
 from clustertrain.data.loader import StreamLoader
 from clustertrain.data.plan import DataPlan

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import clustertrain.data.loader as loader_module
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data.loader import StreamLoader
 from clustertrain.data.pack import IGNORE_INDEX, document_bounds
 from clustertrain.data.plan import DataPlan, spec_changes

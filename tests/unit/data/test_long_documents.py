@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data import plan as plan_module
 from clustertrain.data.pack import Encoded, Packer
 from clustertrain.data.plan import PIECE_CHARS, encode_long, text_pieces

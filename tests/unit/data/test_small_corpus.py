@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_loader import run
 
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import load_tokenizer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clustertrain.config.schema import SourceConfig
+from clustertrain.config.data_schema import SourceConfig
 from clustertrain.data import readers
 from clustertrain.data.sources import Document, open_source, text_of
 from clustertrain.errors import DataError

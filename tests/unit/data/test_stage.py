@@ -20,7 +20,7 @@ import pytest
 from helpers import popen, run_cli
 
 from clustertrain.cli import main
-from clustertrain.config.schema import DataConfig, SourceConfig
+from clustertrain.config.data_schema import DataConfig, SourceConfig
 from clustertrain.data.sources import open_source
 from clustertrain.data.stage import StageRequest, stage_dataset
 from clustertrain.data.staged import MANIFEST, verify_stage
@@ -249,7 +249,7 @@ def test_the_mixture_recipe_stages_each_part_at_its_weight():
     run's tokens (plus the same headroom), into the folder the source reads."""
     from clustertrain.cli import build_parser
     from clustertrain.cli.stage_cmd import count
-    from clustertrain.model.spec import load_checked_config
+    from clustertrain.resolve.load import load_checked_config
 
     recipe = Path(__file__).parents[3] / "configs" / "frontier-pretrain-mixture.yaml"
     config = load_checked_config(recipe)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from clustertrain.config.checks import Layout, resolve_layout
+from clustertrain.config.layout import DIMS, Layout, resolve_layout
 from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
 from clustertrain.errors import ConfigError
 
@@ -19,7 +19,7 @@ def layout(settings: dict, world: int, per_node: int | None = None) -> Layout:
 
 def degrees(settings: dict, world: int, per_node: int | None = None) -> tuple[int, int, int, int]:
     found = layout(settings, world, per_node)
-    return found.pp, found.dp_replicate, found.dp_shard, found.tp
+    return found.degree("pp"), found.degree("dp_replicate"), found.degree("dp_shard"), found.degree("tp")
 
 
 @pytest.mark.parametrize("settings, world, expected", [
@@ -69,7 +69,7 @@ def test_each_group_of_ranks_gets_one_process_group(world_of_8, settings, dp_ran
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
-    from clustertrain.distributed.mesh import DIMS, build_mesh
+    from clustertrain.distributed.mesh import build_mesh
 
     before = set(_world.pg_map)
     mesh = build_mesh(layout(settings, 8), "cpu")
@@ -78,9 +78,28 @@ def test_each_group_of_ranks_gets_one_process_group(world_of_8, settings, dp_ran
     assert len(set(shared)) == len(shared), f"two process groups of the same ranks: {sorted(shared)}"
     assert dist.get_process_group_ranks(mesh.dp_group) == dp_ranks
     assert (mesh.dp_size, mesh.dp_rank) == (len(dp_ranks), 0)
-    both = mesh.dp_replicate > 1 and mesh.dp_shard > 1
+    both = mesh.degree("dp_replicate") > 1 and mesh.degree("dp_shard") > 1
     if not both:  # the very group FSDP or DDP reduces over: one communicator, not a copy of it
-        one = "dp_replicate" if mesh.dp_replicate > 1 else "dp_shard"
+        one = "dp_replicate" if mesh.degree("dp_replicate") > 1 else "dp_shard"
         assert mesh.dp_group is mesh.device_mesh.get_group(one)
     # one per dimension of the mesh (one of all 8 ranks is the world's own), and the data-parallel one if both are used
     assert len(made) == sum(mesh.device_mesh.size(dim) != 8 for dim in range(len(DIMS))) + both
+
+
+def test_the_mesh_has_a_named_dimension_for_each_of_dims_in_order(world_of_8):
+    """A dimension is one entry of DIMS: cp, which no config key sets yet, gets its mesh dimension from the
+    layout alone, between the data-parallel ones and tp (innermost: neighbouring ranks)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from clustertrain.distributed.mesh import build_mesh
+
+    zero3 = layout(dict(strategy="zero3", tp=2), 8)
+    mesh = build_mesh(dataclasses.replace(zero3, degrees={**zero3.degrees, "dp_shard": 2, "cp": 2}), "cpu")
+    assert mesh.device_mesh.mesh_dim_names == DIMS
+    sizes = [mesh.device_mesh.size(i) for i in range(len(DIMS))]
+    assert [mesh.degree(dim) for dim in DIMS] == sizes == [1, 1, 2, 2, 2]
+    assert dist.get_process_group_ranks(mesh.device_mesh.get_group("tp")) == [0, 1]
+    assert dist.get_process_group_ranks(mesh.device_mesh.get_group("cp")) == [0, 2]
+    assert dist.get_process_group_ranks(mesh.dp_group) == [0, 4]

@@ -15,6 +15,7 @@ import pytest
 
 from clustertrain.config.schema import WatchdogConfig
 from clustertrain.distributed import watchdog as wd
+from clustertrain.distributed.hang_report import diagnose
 from clustertrain.run_dir import RunDir
 
 
@@ -37,7 +38,7 @@ def beat(rank: int, step: int = 7, waiting: bool = True, **extra) -> dict:
 ])
 def test_the_stuck_rank_is_named_from_the_heartbeats(beats, stale, stuck, words):
     world = 3 if 2 in beats else 2
-    report = wd.diagnose(beats, stale, world, 0, "5 s in step 7 (limit 4 s)")
+    report = diagnose(beats, stale, world, 0, "5 s in step 7 (limit 4 s)")
     assert report["stuck_ranks"] == stuck and words in report["line"], report["line"]
     assert report["stuck_hosts"] == [f"node{r}" for r in stuck if r in beats]
     assert report["line"].startswith("hang: ") and "\n" not in report["line"]

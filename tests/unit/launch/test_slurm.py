@@ -14,6 +14,7 @@ from clustertrain.errors import ConfigError
 from clustertrain.launch.jobs import decide, job_start, read_chain, record
 from clustertrain.launch.presets import builtin_presets, load_preset
 from clustertrain.launch.slurm import job_spec, render_script, shell_value
+from clustertrain.run_dir import RunDir
 
 GOLDEN = Path(__file__).parent / "golden"
 FIXED = ["slurm.python=/opt/venv/bin/python", "train.run_dir=/scratch/runs/llama", "slurm.account=abc123",
@@ -193,15 +194,15 @@ def test_requeue_decision(run_status, exit_code, signalled, restarts, on_stop, o
 
 
 def test_job_start_counts_restarts_of_the_submission_and_stops_a_loop(tmp_path, capsys):
-    record(tmp_path, "submitted", job_id="7")
+    record(RunDir(tmp_path), "submitted", job_id="7")
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node1"}
-    assert job_start(tmp_path, max_restarts=1, env=env) == 0
-    assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_RESTART_COUNT": "1"}) == 0
-    assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_RESTART_COUNT": "2"}) == 1
+    assert job_start(RunDir(tmp_path), max_restarts=1, env=env) == 0
+    assert job_start(RunDir(tmp_path), max_restarts=1, env={**env, "SLURM_RESTART_COUNT": "1"}) == 0
+    assert job_start(RunDir(tmp_path), max_restarts=1, env={**env, "SLURM_RESTART_COUNT": "2"}) == 1
     assert "restarted 2 times (slurm.max_restarts = 1)" in capsys.readouterr().out
-    assert [e["event"] for e in read_chain(tmp_path)] == ["submitted", "started", "started", "started", "ended"]
-    record(tmp_path, "submitted", job_id="9")  # a new submission starts counting again
-    assert job_start(tmp_path, max_restarts=1, env={**env, "SLURM_JOB_ID": "9"}) == 0
+    assert [e["event"] for e in read_chain(RunDir(tmp_path))] == ["submitted", "started", "started", "started", "ended"]
+    record(RunDir(tmp_path), "submitted", job_id="9")  # a new submission starts counting again
+    assert job_start(RunDir(tmp_path), max_restarts=1, env={**env, "SLURM_JOB_ID": "9"}) == 0
 
 
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750), (0o077, 0o700)])

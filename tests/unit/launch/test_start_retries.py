@@ -58,12 +58,12 @@ def test_a_noted_user_error_is_never_retried(run_status, exit_code):
 
 def test_job_end_reads_the_user_error_a_rank_noted_and_job_start_clears_it(tmp_path, slurm):
     note = RunDir(tmp_path).user_error_note
-    record(tmp_path, "submitted", job_id="7")
-    assert job_start(tmp_path, 3, env={"SLURM_JOB_ID": "7"}) == 0
+    record(RunDir(tmp_path), "submitted", job_id="7")
+    assert job_start(RunDir(tmp_path), 3, env={"SLURM_JOB_ID": "7"}) == 0
     note_user_error(DataError("data source '/no/such.jsonl': no such file"), env={USER_ERROR_NOTE: str(note)})
-    assert job_end(tmp_path, 143, False, "requeue", 3, 2, env={"SLURM_JOB_ID": "7"}) == 143
-    assert read_chain(tmp_path)[-1]["outcome"] == "failed" and not slurm.exists()  # no scontrol call
-    job_start(tmp_path, 3, env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})  # the next job starts clean
+    assert job_end(RunDir(tmp_path), 143, False, "requeue", 3, 2, env={"SLURM_JOB_ID": "7"}) == 143
+    assert read_chain(RunDir(tmp_path))[-1]["outcome"] == "failed" and not slurm.exists()  # no scontrol call
+    job_start(RunDir(tmp_path), 3, env={"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})  # the next job starts clean
     assert not note.exists()
 
 
@@ -98,18 +98,18 @@ def test_start_retries_count_the_failed_starts_in_a_row(tmp_path):
 
 
 def test_doctor_hosts_count_only_from_this_job(tmp_path):
-    record(tmp_path, "started", job_id="7")
+    record(RunDir(tmp_path), "started", job_id="7")
     doctor = tmp_path / "doctor.json"
     doctor.write_text(json.dumps({"bad_hosts": ["node1", 5, "", "node1", "node2"]}))
-    assert doctor_bad_hosts(tmp_path) == ["node1", "node2"]
+    assert doctor_bad_hosts(RunDir(tmp_path)) == ["node1", "node2"]
     chain = os.stat(tmp_path / "slurm" / "jobs.jsonl").st_mtime
     os.utime(doctor, (chain - 60, chain - 60))  # an earlier job's findings
-    assert doctor_bad_hosts(tmp_path) == []
+    assert doctor_bad_hosts(RunDir(tmp_path)) == []
     for text in ("not json", "[1]", '{"bad_hosts": "node1"}', '{"bad_hosts": null}'):
         doctor.write_text(text)
-        assert doctor_bad_hosts(tmp_path) == [], text
+        assert doctor_bad_hosts(RunDir(tmp_path)) == [], text
     doctor.unlink()
-    assert doctor_bad_hosts(tmp_path) == []
+    assert doctor_bad_hosts(RunDir(tmp_path)) == []
 
 
 # ---- job-end against a fake Slurm: scontrol and sinfo that log their arguments ------------------------------------
@@ -142,10 +142,10 @@ def slurm(tmp_path, monkeypatch):
 
 
 def end_after_failed_start(run_dir, bad_hosts, on_stop="requeue"):
-    record(run_dir, "submitted", job_id="7")
-    record(run_dir, "started", job_id="7", restart=0, nodes="node1")
+    record(RunDir(run_dir), "submitted", job_id="7")
+    record(RunDir(run_dir), "started", job_id="7", restart=0, nodes="node1")
     (run_dir / "doctor.json").write_text(json.dumps({"bad_hosts": bad_hosts}))
-    return job_end(run_dir, 1, False, on_stop, 3, 2, env={"SLURM_JOB_ID": "7"})
+    return job_end(RunDir(run_dir), 1, False, on_stop, 3, 2, env={"SLURM_JOB_ID": "7"})
 
 
 def test_job_end_requeues_then_excludes_the_named_node(tmp_path, slurm, capsys):
@@ -153,9 +153,9 @@ def test_job_end_requeues_then_excludes_the_named_node(tmp_path, slurm, capsys):
     assert end_after_failed_start(run_dir, ["node1.cluster.local"]) == 0
     calls = slurm.read_text().splitlines()
     assert calls == ["scontrol show job -o 7", "scontrol requeue 7", "scontrol update JobId=7 ExcNodeList=node1"]
-    ended = read_chain(run_dir)[-1]
+    ended = read_chain(RunDir(run_dir))[-1]
     assert (ended["outcome"], ended["excluded"]) == ("retried", "node1")
-    assert excluded_nodes(read_chain(run_dir)) == ["node1"]
+    assert excluded_nodes(read_chain(RunDir(run_dir))) == ["node1"]
     out = capsys.readouterr().out
     assert "retry 1 of at most 2 (slurm.max_start_retries)" in out
     assert "excluding node1 (named by clustertrain doctor) from the next start" in out
@@ -181,12 +181,12 @@ def test_job_end_requeues_anyway_when_a_node_cannot_be_excluded(tmp_path, slurm,
     assert end_after_failed_start(tmp_path, hosts) == 0
     assert "scontrol requeue 7" in slurm.read_text()
     assert line in capsys.readouterr().out
-    ended = read_chain(tmp_path)[-1]
+    ended = read_chain(RunDir(tmp_path))[-1]
     assert ended["outcome"] == "retried" and "excluded" not in ended
 
 
 def test_a_follow_up_job_is_submitted_off_the_named_node(tmp_path, slurm):
     assert end_after_failed_start(tmp_path, ["node2"], on_stop="dependency") == 0
     assert slurm.read_text().splitlines()[-1] == "sbatch --parsable --dependency=afterany:7 --exclude=node2 /r/job.sh"
-    ended = read_chain(tmp_path)[-1]
+    ended = read_chain(RunDir(tmp_path))[-1]
     assert (ended["outcome"], ended["excluded"], ended["next_job"]) == ("retried", "node2", "8")

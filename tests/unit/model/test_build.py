@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from clustertrain.config.checks import check_world, resolve_layout
+from clustertrain.config.layout import check_world, resolve_layout
 from clustertrain.errors import ConfigError
 from clustertrain.model.build import build_model
-from clustertrain.model.spec import load_checked_config, model_shape
+from clustertrain.model.spec import model_shape
+from clustertrain.resolve.load import load_checked_config
 
 COMMON = ["data.vocab_size=512", "data.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2",
           "parallel.tp=2"]
@@ -40,7 +41,7 @@ def test_a_llama_is_built_and_laid_out_for_8_ranks_at_tp_2():
     assert shape.tp_problem is None and shape.pp_problem is None
     assert check_world(config, 8, 8, shape) == []
     layout = resolve_layout(config, 8, 8, shape)
-    assert (layout.tp, layout.dp, layout.grad_accum) == (2, 4, 1)
+    assert (layout.degree("tp"), layout.dp, layout.grad_accum) == (2, 4, 1)
     hf = built.hf_config
     assert (hf.model_type, hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.num_hidden_layers,
             hf.vocab_size) == ("llama", 64, 4, 2, 2, 512)

@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from clustertrain.config.schema import DataConfig, ModelConfig
+from clustertrain.config.data_schema import DataConfig
+
+from clustertrain.config.schema import ModelConfig
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.errors import CheckpointError, ConfigError, DataError, UserError
 from clustertrain.inference import load_for_inference
 from clustertrain.model.build import build_hf_config
-from clustertrain.model.spec import load_checked_config
+from clustertrain.resolve.load import load_checked_config
 from helpers import ONE_THREAD, write_tiny_repo
 
 PROMPT = "Do you wish to run the custom code"

@@ -1,7 +1,9 @@
-"""LocalRunner: evaluation runs in training's microbatches, so its logits fit where training's fit; both runners
-are a Runner."""
+"""LocalRunner: evaluation runs in training's microbatches, so its logits fit where training's fit; each
+microbatch runs inside the runner's forward context; both runners are a Runner."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -36,7 +38,7 @@ def test_both_runners_are_what_the_step_and_the_trainer_drive():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from clustertrain.config.checks import resolve_layout
+    from clustertrain.config.layout import resolve_layout
     from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
     from clustertrain.distributed.mesh import build_mesh
     from clustertrain.parallel.pp import PipelineRunner
@@ -56,3 +58,35 @@ def test_both_runners_are_what_the_step_and_the_trainer_drive():
         assert isinstance(runner, Runner)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_runner_enters_its_forward_context_around_every_microbatch_forward_and_backward():
+    """The hook context parallelism needs: each microbatch's forward and backward run inside the context, which is
+    handed the very rows the model takes (torch's context_parallel shards them in place)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    events, given = [], []
+
+    @contextlib.contextmanager
+    def recording(rows: dict[str, torch.Tensor]):
+        given.append(rows["input_ids"])
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    model.register_forward_pre_hook(lambda _module, args, kwargs: events.append(
+        "forward" if kwargs["input_ids"] is given[-1] else "forward of other rows"), with_kwargs=True)
+    model.get_input_embeddings().weight.register_hook(lambda grad: events.append("backward"))
+    runner = LocalRunner(model, TokenLoss(), microbatches=2, device=torch.device("cpu"), autocast_dtype=None,
+                         forward_context=recording)
+    ids = torch.randint(0, 100, (4, 12))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    runner.forward_backward(batch, torch.tensor(1.0))
+    assert events == ["enter", "forward", "backward", "exit"] * 2
+    assert [rows.shape[0] for rows in given] == [2, 2] and torch.equal(torch.cat(given), ids)
+    events.clear()
+    with torch.no_grad():
+        runner.eval_loss_sum(batch)
+    assert events == ["enter", "forward", "exit"] * 2

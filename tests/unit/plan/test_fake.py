@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import gc
-from types import SimpleNamespace
+import math
 
 import pytest
 import torch
 from helpers import TINY
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from clustertrain.config.checks import Layout
-from clustertrain.model.spec import load_checked_config
+from clustertrain.config.layout import DIMS, Layout
 from clustertrain.plan.cost import inside_node, traffic
 from clustertrain.plan.fake import LiveBytes
+from clustertrain.resolve.load import load_checked_config
 
 
 def test_live_bytes_counts_a_storage_once_until_it_is_freed_and_follows_resize():
@@ -33,12 +33,10 @@ def test_live_bytes_counts_a_storage_once_until_it_is_freed_and_follows_resize()
         assert counted.live == 2048
 
 
-def layout(**sizes) -> Layout:
-    base = {"world_size": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1, "global_batch": 8, "micro_batch": 4,
-            "grad_accum": 1, "wrapper": "fsdp"}
-    base.update(sizes)
-    base["world_size"] = base["pp"] * base["dp_replicate"] * base["dp_shard"] * base["tp"]
-    return Layout(**base)
+def layout(**fields) -> Layout:
+    degrees = {dim: fields.pop(dim, 1) for dim in DIMS}
+    batch = {"global_batch": 8, "micro_batch": 4, "grad_accum": 1, "wrapper": "fsdp", **fields}
+    return Layout(math.prod(degrees.values()), degrees, **batch)
 
 
 def test_a_group_is_inside_a_node_while_its_span_of_ranks_fits_one():
@@ -68,24 +66,22 @@ def test_tensor_parallel_all_reduces_activations_four_times_a_block_six_with_rec
 
 def test_a_target_without_a_world_is_refused_in_one_line():
     from clustertrain.errors import UserError
-    from clustertrain.plan.target import target_for
+    from clustertrain.plan.target import TargetRequest, target_for
 
     config = load_checked_config(None, TINY)
-    args = SimpleNamespace(world=None, nodes=None, gpus_per_node=None, preset=None, device_memory=None,
-                           peak_tflops=None, efficiency=0.5)
     with pytest.raises(UserError, match="--world N"):
-        target_for(config, args)
+        target_for(config, TargetRequest(efficiency=0.5))
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
 def test_a_deep_model_planned_from_two_short_depths_matches_it_stepped_whole(monkeypatch, checkpointing):
     from clustertrain.plan import plan
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.run import resolve
 
     config = load_checked_config(None, [*TINY, "parallel.strategy=zero3", "model.config.num_hidden_layers=20",
                                         f"parallel.activation_checkpoint={checkpointing}",
                                         "parallel.param_dtype=float32"])
-    run = resolve_run(config, 4, 4, None)
+    run = resolve(config, 4, 4, None)
     grown = plan.measure_stage(run.config, run.layout, 0)
     monkeypatch.setattr(plan, "DIRECT_LAYERS", 100)
     whole = plan.measure_stage(run.config, run.layout, 0)
@@ -161,9 +157,9 @@ def test_a_pipeline_rank_holds_the_microbatches_its_schedule_keeps_in_flight(sch
     assert [microbatches_in_flight(config, pipeline, stage) for stage in (0, 1)] == held
     # and the plan of a pipeline rank holds that many microbatches' activations
     from clustertrain.plan.plan import measure_stage
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.run import resolve
 
-    run = resolve_run(config, 2, 2, "cpu")
+    run = resolve(config, 2, 2, "cpu")
     first, last = (measure_stage(run.config, run.layout, rank) for rank in (0, 1))
     assert first.activations > 0 and last.activations > 0
 
@@ -172,14 +168,14 @@ def test_the_activations_follow_the_attention_kernel():
     """sdpa masks packed documents with a [rows, 1, seq, seq] mask and keeps it for the backward; flash-attn and
     flex keep no seq x seq tensor (planned on the CPU as sdpa without a mask, which keeps none either)."""
     from clustertrain.plan.fake import fake_world, measure_rank
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.run import resolve
 
     kept = {}
     for attention in ("sdpa", "flash_attention_2", "flex_attention"):
         config = load_checked_config(None, [*TINY, "data.seq_len=512", "data.doc_masking=true",
                                             "model.config.max_position_embeddings=512",
                                             f"model.attn_implementation={attention}"])
-        run = resolve_run(config, 1, 1, None)
+        run = resolve(config, 1, 1, None)
         with fake_world(1, 0):
             kept[attention] = measure_rank(run.config.updated(parallel={"param_dtype": "float32"}), run.layout)
     rows, seq = 4, 512
@@ -193,13 +189,13 @@ def test_a_pipeline_s_planned_step_is_its_compute_stretched_by_the_bubble(schedu
     rank), so the planned step is the compute over the share it is busy, plus the activations pp sends."""
     from clustertrain.plan.cost import Device
     from clustertrain.plan.plan import make_plan
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.run import resolve
 
     pp, m = 2, 4
     config = load_checked_config(None, [*TINY, f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
                                         f"parallel.microbatches={m}", "model.config.num_hidden_layers=4",
                                         "parallel.param_dtype=float32"])
-    run = resolve_run(config, pp, pp, "cpu")
+    run = resolve(config, pp, pp, "cpu")
     assert (run.layout.grad_accum, run.layout.micro_batch) == (m, 2)  # global batch 8 in 4 microbatches of 2
     device = Device("test", memory_bytes=None, peak_flops=1e12, intra_node_bps=1e9, inter_node_bps=1e9, per_node=8,
                     efficiency=0.5)
@@ -218,12 +214,12 @@ def test_ddp_s_planned_peak_holds_a_bucket_copy_of_every_trainable_parameter():
     peak is a single rank's (same rows per rank, no wrapper) plus one float32 copy of the model. (LoRA's buckets
     are a rounding error; a full model's are a quarter of its steady state.)"""
     from clustertrain.plan.fake import fake_world, measure_rank
-    from clustertrain.train.resolve import resolve_run
+    from clustertrain.resolve.run import resolve
 
     common = [*TINY, "parallel.param_dtype=float32", "train.micro_batch_size=4"]
-    ddp = resolve_run(load_checked_config(None, [*common, "parallel.strategy=ddp", "train.global_batch_size=8"]),
+    ddp = resolve(load_checked_config(None, [*common, "parallel.strategy=ddp", "train.global_batch_size=8"]),
                       2, 2, None)
-    alone = resolve_run(load_checked_config(None, [*common, "train.global_batch_size=4"]), 1, 1, None)
+    alone = resolve(load_checked_config(None, [*common, "train.global_batch_size=4"]), 1, 1, None)
     assert ddp.layout.wrapper == "ddp" and alone.layout.wrapper is None
     assert ddp.layout.micro_batch * ddp.layout.grad_accum == alone.layout.micro_batch * alone.layout.grad_accum
     with fake_world(2, 0):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from clustertrain.train.metrics import MetricsLogger, format_duration, format_line, read_jsonl
+from clustertrain.run_dir import RunDir
+from clustertrain.train.metrics import MetricsLogger, format_duration, format_line, read_metrics
 
 
 def console(buffer: io.StringIO, terminal: bool = False) -> Console:
@@ -20,7 +21,7 @@ def make(tmp_path, buffer=None, **kwargs) -> MetricsLogger:
     kwargs.setdefault("total_steps", 10)
     kwargs.setdefault("progress", "lines")
     kwargs.setdefault("tensorboard", False)
-    return MetricsLogger(tmp_path, console=console(buffer or io.StringIO()), **kwargs)
+    return MetricsLogger(RunDir(tmp_path), console=console(buffer or io.StringIO()), **kwargs)
 
 
 def test_format_line_known_input():
@@ -50,10 +51,10 @@ def test_jsonl_written_flushed_and_parseable(tmp_path):
     before = time.time()
     log.log(1, {"loss": 4.0, "lr": torch.tensor(1e-3), "mfu": None})
     # Flushed per line: readable before close, as after a kill.
-    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["step"] == 1
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["step"] == 1
     log.log(2, {"loss": float("nan")})
     log.close()
-    records = read_jsonl(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2]
     # The wall clock, unix seconds rounded to the millisecond.
     assert before - 0.001 <= records[0]["time"] <= records[1]["time"] <= time.time() + 0.001
@@ -74,7 +75,7 @@ def test_resume_appends_to_same_file(tmp_path):
         f.write('{"step": 3, "lo')
     with make(tmp_path, start_step=2) as log:
         log.log(3, {"loss": 1.0})
-    records = read_jsonl(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path / "metrics.jsonl")
     assert [(r["step"], r["loss"]) for r in records] == [(1, 3.0), (2, 2.0), (3, 1.0)]
 
 
@@ -97,7 +98,7 @@ def test_tensorboard_scalars_read_back_grouped_with_the_config_as_text(tmp_path)
     assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == [(2, 2.75)]
     assert [(e.step, e.value) for e in acc.Scalars("perf/mfu")] == [(2, 0.125)]
     assert [(e.step, e.value) for e in acc.Scalars("data/mix/web")] == [(1, 0.25)]
-    records = read_jsonl(tmp_path / "metrics.jsonl")  # metrics.jsonl keeps the flat keys, and its time is TB's
+    records = read_metrics(tmp_path / "metrics.jsonl")  # metrics.jsonl keeps the flat keys, and its time is TB's
     assert acc.Scalars("train/loss")[0].wall_time == pytest.approx(records[0]["time"], abs=1e-3)
     texts = {tag: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]}
     assert texts == {"config/text_summary": "    optim:\n      lr: 0.001",
@@ -122,7 +123,7 @@ def test_eta_none_first_then_positive(tmp_path, monkeypatch):
         log.log(1, {"loss": 1.0})
         log.log(2, {"loss": 1.0})
         log.log(3, {"loss": 1.0})
-    etas = [r["eta_s"] for r in read_jsonl(tmp_path / "metrics.jsonl")]
+    etas = [r["eta_s"] for r in read_metrics(tmp_path / "metrics.jsonl")]
     # 1 s/step after step 2 (8 left); then (103-100)/2 = 1.5 s/step averaged (7 left).
     assert etas == [None, 8.0, 10.5]
 
@@ -143,12 +144,12 @@ def test_none_mode_prints_no_progress_but_writes_files(tmp_path):
     with make(tmp_path, buffer, progress="none") as log:
         log.log(1, {"loss": 1.0})
     assert buffer.getvalue() == ""
-    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 1
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 1
 
 
 def test_auto_mode_picks_bar_on_terminal_and_lines_otherwise(tmp_path):
-    bar = MetricsLogger(tmp_path / "a", total_steps=5, tensorboard=False, console=console(io.StringIO(), True))
-    plain = MetricsLogger(tmp_path / "b", total_steps=5, tensorboard=False, console=console(io.StringIO()))
+    bar = MetricsLogger(RunDir(tmp_path / "a"), total_steps=5, tensorboard=False, console=console(io.StringIO(), True))
+    plain = MetricsLogger(RunDir(tmp_path / "b"), total_steps=5, tensorboard=False, console=console(io.StringIO()))
     try:
         assert (bar.mode, plain.mode) == ("bar", "lines")
     finally:
@@ -166,12 +167,12 @@ def test_bar_mode_runs_and_keeps_info_lines(tmp_path):
     out = buffer.getvalue()
     assert "hello from info" in out
     assert "eval_loss 0.5000" in out
-    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 5
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 5
 
 
 def test_bad_progress_mode(tmp_path):
     with pytest.raises(ValueError, match="progress"):
-        MetricsLogger(tmp_path, total_steps=1, progress="fancy")
+        MetricsLogger(RunDir(tmp_path), total_steps=1, progress="fancy")
 
 
 def test_tensorboard_resume_hides_steps_after_checkpoint(tmp_path):
@@ -202,7 +203,7 @@ def test_a_closed_stdout_silences_the_console_and_the_run_goes_on(tmp_path, monk
     stdout = os.fdopen(write_end, "w")
     monkeypatch.setattr("sys.stdout", stdout)
     try:
-        with MetricsLogger(tmp_path, total_steps=4, tensorboard=False, progress=progress) as log:
+        with MetricsLogger(RunDir(tmp_path), total_steps=4, tensorboard=False, progress=progress) as log:
             log.info("starting")
             os.close(read_end)  # the reader went away
             for step in range(1, 5):
@@ -213,4 +214,4 @@ def test_a_closed_stdout_silences_the_console_and_the_run_goes_on(tmp_path, monk
         assert os.path.samestat(os.fstat(stdout.fileno()), os.stat(os.devnull))
     finally:
         stdout.close()
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]

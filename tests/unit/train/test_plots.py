@@ -12,6 +12,7 @@ import pytest
 from helpers import run_cli
 
 from clustertrain.cli import main
+from clustertrain.run_dir import RunDir
 from clustertrain.train.metrics import LINE_LIMIT
 from clustertrain.train.plots import run_curves
 
@@ -80,7 +81,7 @@ def test_infinities_are_gaps_and_values_near_the_float_limit_do_not_break_the_ax
         '{"step": 6, "loss": 2.0, "tokens_per_s": 4000.0}',
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(records) + "\n")
-    curves = run_curves(tmp_path).curves
+    curves = run_curves(RunDir(tmp_path)).curves
     assert [(step, value) for step, value in curves["loss"] if not math.isnan(value)] == [(1, 5.0), (6, 2.0)]
     assert [step for step, value in curves["tokens_per_s"] if not math.isnan(value)] == [1, 4, 5, 6]
     assert main(["plot", str(tmp_path)]) == 0, capsys.readouterr().err

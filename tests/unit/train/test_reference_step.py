@@ -25,7 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from clustertrain.config.load import load_config
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.train.batches import to_device
-from clustertrain.train.metrics import read_jsonl
+from clustertrain.train.metrics import read_metrics
 from clustertrain.train.trainer import Trainer
 
 LR, WARMUP, CLIP, WEIGHT_DECAY, BETAS, EPS = 3e-3, 2, 0.5, 0.1, (0.9, 0.95), 1e-8
@@ -34,7 +34,7 @@ MICRO = 4  # TINY's train.micro_batch_size: two micro batches of the 8 sequences
 
 def stage(trainer, loader):
     """The next batch of `loader` as the step gets it: on the device, with position ids where documents are packed."""
-    return to_device(loader.next_batch(), trainer.device, trainer.config.data.packed_documents, trainer.attention)
+    return to_device(loader.next_batch(), trainer.place.device, trainer.config.data.packed_documents, trainer.model.attention)
 
 
 DATA = {
@@ -109,12 +109,12 @@ def reference_model(trainer: Trainer) -> LlamaForCausalLM:
     """A LlamaForCausalLM of TINY's numbers, built here, holding the trainer's weights."""
     # The local tokenizer's pad token is its end-of-text token: the model gets no pad id, so that token's
     # embedding learns (HF's padding_idx row would get no gradient).
-    assert trainer.hf_config.pad_token_id is None
+    assert trainer.model.hf_config.pad_token_id is None
     reference = LlamaForCausalLM(LlamaConfig(
-        vocab_size=trainer.hf_config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=trainer.model.hf_config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
     ))
-    reference.load_state_dict(trainer.runner.model.state_dict(), strict=True)
+    reference.load_state_dict(trainer.model.runner.model.state_dict(), strict=True)
     return reference
 
 
@@ -141,21 +141,21 @@ def test_one_rank_step_equals_a_hand_written_step(tmp_path, data):
                             f"optim.grad_clip={CLIP}", f"optim.weight_decay={WEIGHT_DECAY}",
                             f"optim.betas=[{BETAS[0]}, {BETAS[1]}]", f"optim.eps={EPS}")
     try:
-        loader = trainer._loader("train")  # the first batches, from a loader of its own
+        loader = trainer.data.new_loader("train", trainer.place.mesh)  # the first batches, from a loader of its own
         batches = [stage(trainer, loader) for _ in range(2)]  # as the step gets them: position ids if used
         assert ("position_ids" in batches[0]) == (data != "pretrain")
         for batch in batches:
-            check_batch(data, batch, trainer.tokenizer.eos_token_id)
+            check_batch(data, batch, trainer.data.tokenizer.eos_token_id)
         if data == "pretrain":
-            assert trainer.hf_config.vocab_size == 512
+            assert trainer.model.hf_config.vocab_size == 512
         reference = reference_model(trainer)
         before = {name: p.detach().clone() for name, p in reference.named_parameters()}
 
         trainer.train_steps(2)
         trainer.logger.close()
         measured = reference_steps(reference, batches)
-        logged = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r}
-        trained = dict(trainer.runner.model.named_parameters())
+        logged = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r}
+        trained = dict(trainer.model.runner.model.named_parameters())
     finally:
         trainer.close()
 
@@ -181,10 +181,11 @@ def test_evaluation_is_the_mean_over_every_held_out_token(tmp_path, data):
     padded rows."""
     trainer = build_trainer(tmp_path, data, "train.eval_batches=3")
     try:
-        loader = trainer._loader("eval")
+        loader = trainer.data.new_loader("eval", trainer.place.mesh)
         batches = [stage(trainer, loader) for _ in range(3)]
         reference = reference_model(trainer).eval()
-        logged = trainer._evaluate()
+        trainer.evaluate()
+        logged = trainer.summary.eval_loss
     finally:
         trainer.close()
     counts = [int((b["labels"] != IGNORE_INDEX).sum()) for b in batches]

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import TINY, run_cli
 
-from clustertrain.config.schema import DataConfig
+from clustertrain.config.data_schema import DataConfig
 from clustertrain.data.plan import DataPlan
 from clustertrain.data.tokenize import load_tokenizer
 from clustertrain.train.sample import PROMPT_TOKENS, data_prompt

@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from clustertrain.run_dir import RunDir
 from clustertrain.train.status import STATUS_FILE, read_status, write_status
 
 def fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -28,32 +29,32 @@ def fill_disk(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_full_disk_still_records_failed_and_leaves_no_tmp(tmp_path, monkeypatch):
-    write_status(tmp_path, "running", step=3, total_steps=10)
+    write_status(RunDir(tmp_path), "running", step=3, total_steps=10)
     with monkeypatch.context() as full:
         fill_disk(full)
         full.setattr("clustertrain.train.status.time.time", lambda: 1.0)
         error = "CheckpointError: checkpoints/step-0000004 could not be written: [Errno 28] No space left on device"
-        write_status(tmp_path, "failed", step=4, error=error)
-    status = read_status(tmp_path)
+        write_status(RunDir(tmp_path), "failed", step=4, error=error)
+    status = read_status(RunDir(tmp_path))
     assert (status["state"], status["step"], status["error"], status["time"]) == ("failed", 4, error, 1.0)
     assert "total_steps" not in status  # the record is rewritten whole
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATUS_FILE]
-    write_status(tmp_path, "running", step=4)  # room again: the atomic way
-    assert read_status(tmp_path)["state"] == "running"
+    write_status(RunDir(tmp_path), "running", step=4)  # room again: the atomic way
+    assert read_status(RunDir(tmp_path))["state"] == "running"
     assert sorted(p.name for p in tmp_path.iterdir()) == [STATUS_FILE]
 
 
 def test_a_shorter_record_in_place_leaves_nothing_of_the_longer_one(tmp_path, monkeypatch):
-    write_status(tmp_path, "running", note="x" * 2000)
+    write_status(RunDir(tmp_path), "running", note="x" * 2000)
     fill_disk(monkeypatch)
-    write_status(tmp_path, "failed")
+    write_status(RunDir(tmp_path), "failed")
     assert json.loads((tmp_path / STATUS_FILE).read_text())["state"] == "failed"  # no old bytes after the record
 
 
 def test_a_full_disk_with_no_status_yet_raises_and_leaves_no_tmp(tmp_path, monkeypatch):
     fill_disk(monkeypatch)
     with pytest.raises(OSError) as raised:
-        write_status(tmp_path, "running", step=0)
+        write_status(RunDir(tmp_path), "running", step=0)
     assert raised.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
 
@@ -65,9 +66,10 @@ def test_a_real_full_filesystem(tmp_path):
     script = textwrap.dedent(f"""
         import errno, sys
         from pathlib import Path
+        from clustertrain.run_dir import RunDir
         from clustertrain.train.status import read_status, write_status
         run = Path({str(tmp_path / "mnt")!r})
-        write_status(run, "running", step=3)
+        write_status(RunDir(run), "running", step=3)
         with open(run / "filler", "wb", buffering=0) as f:
             try:
                 while True:
@@ -80,8 +82,8 @@ def test_a_real_full_filesystem(tmp_path):
             sys.exit("the filesystem is not full")
         except OSError:
             (run / "probe").unlink(missing_ok=True)
-        write_status(run, "failed", step=4, error="CheckpointError: " + "no space left " * 20)
-        print(sorted(p.name for p in run.iterdir()), read_status(run)["state"])
+        write_status(RunDir(run), "failed", step=4, error="CheckpointError: " + "no space left " * 20)
+        print(sorted(p.name for p in run.iterdir()), read_status(RunDir(run))["state"])
     """)
     (tmp_path / "mnt").mkdir()
     mount = f"mount -t tmpfs -o size=64k tmpfs {tmp_path / 'mnt'} && exec {sys.executable} -c \"$0\""
@@ -98,6 +100,6 @@ def test_a_real_full_filesystem(tmp_path):
 @pytest.mark.parametrize("text", ["[1, 2]", '"failed"', "{}", '{"state": 3}', "{" * 100000, "\xff"])
 def test_a_status_that_is_no_status_reads_as_none(tmp_path, text):
     (tmp_path / STATUS_FILE).write_text(text, encoding="latin-1")
-    assert read_status(tmp_path) is None
+    assert read_status(RunDir(tmp_path)) is None
     (tmp_path / STATUS_FILE).write_text(json.dumps({"state": "finished"}))
-    assert read_status(tmp_path) == {"state": "finished"}
+    assert read_status(RunDir(tmp_path)) == {"state": "finished"}

@@ -5,7 +5,6 @@ tests/e2e/test_train_trackers.py."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from clustertrain.cli import main
 from clustertrain.cli.logs import setup_logging
 from clustertrain.config.metrics_schema import MetricsConfig
 from clustertrain.run_dir import RunDir
-from clustertrain.train.metrics import MetricsLogger, read_jsonl
+from clustertrain.train.metrics import MetricsLogger, read_metrics
 from clustertrain.train.trackers import QUEUE_CALLS, Tracker, TrackerThread, open_trackers, tag
 
 
@@ -80,7 +79,7 @@ class ServerGone(Tracker):
 def test_a_tracker_that_fails_says_so_once_and_the_run_logs_on(tmp_path, capsys, level):
     setup_logging(level)
     gone = ServerGone()
-    with MetricsLogger(tmp_path, total_steps=3, tensorboard=False, progress="none",
+    with MetricsLogger(RunDir(tmp_path), total_steps=3, tensorboard=False, progress="none",
                        trackers=(TrackerThread("Gone", lambda: gone, limit_s=30),)) as log:
         for step in (1, 2, 3):
             log.log(step, {"loss": 1.0 / step})
@@ -88,7 +87,7 @@ def test_a_tracker_that_fails_says_so_once_and_the_run_logs_on(tmp_path, capsys,
     assert gone.calls == 1
     said = "warning: Gone failed (server gone); the run goes on without it, metrics.jsonl has every number\n"
     assert capsys.readouterr().err == (said if level == "info" else "")  # --log-level error: errors only
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 class Stalled(Tracker):
@@ -112,7 +111,7 @@ def test_a_tracker_whose_log_blocks_never_blocks_the_caller_and_is_dropped_past_
     stalled = Stalled()
     thread = TrackerThread("Stalled", lambda: stalled, limit_s=0.5)
     try:
-        with MetricsLogger(tmp_path, total_steps=30, tensorboard=False, progress="lines",
+        with MetricsLogger(RunDir(tmp_path), total_steps=30, tensorboard=False, progress="lines",
                            trackers=(thread,)) as log:
             waited = []
             for step in range(1, 31):
@@ -131,7 +130,7 @@ def test_a_tracker_whose_log_blocks_never_blocks_the_caller_and_is_dropped_past_
     assert out.err == ("warning: Stalled did not answer within 0.5s (log); the run goes on without it, "
                        "metrics.jsonl has every number\n")
     assert "Stalled: run 7" in out.out  # its start line, said by the caller once it had opened
-    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 30
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 30
 
 
 def test_a_tracker_that_falls_behind_is_dropped_and_the_closing_wait_is_bounded(capsys):

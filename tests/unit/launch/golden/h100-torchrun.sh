@@ -17,6 +17,7 @@
 
 # Slurm's warning (USR1 before the time limit, or at preemption) reaches only this shell. Remember it from
 # here on; once training runs, pass it to the ranks, which agree on a step, save it and exit 75.
+# The exit codes this script speaks (75 requeue me, 1 failed, 2 a user error) are clustertrain.errors.ExitCode.
 signalled=0
 trap 'signalled=1' USR1 TERM
 

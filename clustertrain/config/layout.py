@@ -1,13 +1,15 @@
-"""A config against a world size, before any process group starts: every problem at once, with sizes that fit.
+"""The layout: a config against a world size, before any process group starts, in the vocabulary of parallelism.
 
     problems = check_world(config, world_size=40, local_world_size=8, shape=model_shape(hf_config))  # [] if it fits
     layout = resolve_layout(config, 40, 8, shape)   # or one ConfigError listing them all
+    layout.degree("tp"), layout.dp                  # a dimension's degree; the data-parallel ranks
     clustertrain config check configs/frontier-llama3-8b.yaml --nodes 64         # the same, on a login node
 
-The arithmetic a run lays itself out with lives here, once: the parallel degrees and the data-parallel
-wrapper (distributed/mesh.py builds its mesh from the Layout, parallel/apply.py wraps by it), the rows of a
-step on each rank, its micro-batches or pipeline microbatches, and the steps of the run. Model facts come
-in as a ModelShape, read from the HF config alone (no weights).
+The arithmetic a run lays itself out with lives here, once: the dimensions of parallelism (DIMS) and their
+degrees, the data-parallel wrapper (distributed/mesh.py builds its mesh from the Layout, parallel/apply.py
+wraps by it), the rows of a step on each rank, and its micro-batches or pipeline microbatches. Model facts come
+in as a ModelShape, read from the HF config alone (no weights). A new dimension is one entry of DIMS (with its
+config key, when it has one, named like it) plus its step in parallel/apply.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from typing import Literal
 from clustertrain.config.schema import ParallelConfig, RunConfig, TrainConfig
 from clustertrain.errors import ConfigError
 
+# The dimensions of parallelism, outermost first: the world is laid out in this order, tp innermost, so that
+# tensor-parallel peers are neighbouring ranks (the same node, when tp fits in one). cp (context parallelism)
+# has no config key yet: its degree is 1.
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+DATA_PARALLEL = ("dp_replicate", "dp_shard")  # the dimensions whose ranks read different rows
+SHOWN = ("tp", "pp")  # in every describe() line, even at 1; other dimensions beyond data parallelism when used
 MAX_STREAMS_PER_RANK = 1 << 16  # rows of a step on one rank: each is a data stream with its own reader
 INTERLEAVED = ("interleaved_1f1b",)
 
@@ -41,29 +49,48 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a config runs on `world_size` ranks."""
+    """How a config runs on `world_size` ranks.
+
+    Attributes:
+        degrees: the ranks along each dimension, every one of DIMS in its order; their product is `world_size`.
+    """
 
     world_size: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
+    degrees: dict[str, int]
     global_batch: int  # sequences per optimizer step
     micro_batch: int  # sequences per forward on one rank (per pipeline microbatch under pp)
     grad_accum: int  # forwards per rank per step: micro-batches, or pipeline microbatches under pp
     wrapper: Literal["fsdp", "ddp"] | None  # what wraps each model part for data parallelism (wrapper_for)
 
+    def __post_init__(self) -> None:
+        assert tuple(self.degrees) == DIMS, f"a layout has a degree for each of {DIMS}, in order: {self.degrees}"
+        assert math.prod(self.degrees.values()) == self.world_size, (self.degrees, self.world_size)
+
+    def degree(self, dim: str) -> int:
+        """The ranks along dimension `dim` (one of DIMS)."""
+        return self.degrees[dim]
+
+    # The config's degrees by name, read by the plan, the trainer and its start-up lines; parallel/ and the mesh
+    # read degree(dim), and a new dimension needs no property.
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        """The data-parallel ranks: those that read different rows."""
+        return math.prod(self.degrees[dim] for dim in DATA_PARALLEL)
 
     def describe(self, seq_len: int) -> str:
         """One line: the degrees and the batch arithmetic (micro × accumulation × dp ranks = global batch)."""
-        accum = "pipeline microbatches" if self.pp > 1 else "grad accum"
-        return (f"dp {self.dp} (dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard}), tp {self.tp}, "
-                f"pp {self.pp}; micro batch {self.micro_batch} × {accum} {self.grad_accum} × {self.dp} dp ranks = "
-                f"global batch {self.global_batch} sequences × {seq_len} tokens = "
+        accum = "pipeline microbatches" if self.degree("pp") > 1 else "grad accum"
+        data = " × ".join(f"{dim} {self.degrees[dim]}" for dim in DATA_PARALLEL)
+        others = "".join(f", {dim} {n}" for dim, n in reversed(self.degrees.items())
+                         if dim not in DATA_PARALLEL and (n > 1 or dim in SHOWN))
+        return (f"dp {self.dp} ({data}){others}; micro batch {self.micro_batch} × {accum} {self.grad_accum} × "
+                f"{self.dp} dp ranks = global batch {self.global_batch} sequences × {seq_len} tokens = "
                 f"{self.global_batch * seq_len:,} tokens/step")
+
+    def to_json(self) -> dict:
+        """The layout as one flat record: the world size, each degree by its dimension, the batch, the wrapper."""
+        return {"world_size": self.world_size, **self.degrees, "global_batch": self.global_batch,
+                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "wrapper": self.wrapper}
 
 
 def check_world(config: RunConfig, world_size: int, local_world_size: int | None = None,
@@ -98,24 +125,29 @@ def _resolve(config: RunConfig, world: int, local: int, shape: ModelShape | None
         problems.append("train: set train.steps, train.tokens or train.epochs")
     if degrees is None:
         return None, problems
-    pp, replicate, shard, tp = degrees
-    batch, more = batch_layout(config.train, config.parallel, replicate * shard)
+    dp = math.prod(degrees[dim] for dim in DATA_PARALLEL)
+    batch, more = batch_layout(config.train, config.parallel, dp)
     problems += more
     if batch is None or problems:
         return None, problems
-    return Layout(world, pp, replicate, shard, tp, *batch,
-                  wrapper=wrapper_for(config.parallel.strategy, pp, replicate * shard, tp)), problems
+    wrapper = wrapper_for(config.parallel.strategy, degrees["pp"], dp, degrees["tp"])
+    return Layout(world, degrees, *batch, wrapper=wrapper), problems
 
 
 # ---- degrees ---------------------------------------------------------------------------------------------
 def degree_problems(parallel: ParallelConfig, world: int, local_world: int
-                    ) -> tuple[tuple[int, int, int, int] | None, list[str]]:
-    """(pp, dp_replicate, dp_shard, tp) or None, and the problems. Set degrees are taken as given; unset
-    data-parallel ones default from the strategy."""
-    model_parallel = parallel.pp * parallel.tp
+                    ) -> tuple[dict[str, int] | None, list[str]]:
+    """The degree of each dimension (DIMS, in order) or None, and the problems. Set degrees are taken as given;
+    unset data-parallel ones default from the strategy; a dimension with no config key yet is 1."""
+    keyed = [dim for dim in DIMS if dim in ParallelConfig.model_fields]  # the dimensions a config key sets
+    fixed = {dim: getattr(parallel, dim) if dim in keyed else 1 for dim in DIMS if dim not in DATA_PARALLEL}
+    named = [dim for dim in fixed if dim in keyed]  # of those beyond data parallelism
+    model_parallel = math.prod(fixed.values())
     if world % model_parallel:
-        return None, [f"parallel.pp × parallel.tp = {parallel.pp} × {parallel.tp} does not divide the {world} ranks; "
-                      f"use pp × tp in {divisors(world)}, or a multiple of {model_parallel} ranks"]
+        keys = " × ".join(f"parallel.{dim}" for dim in named)
+        values = " × ".join(str(fixed[dim]) for dim in named)
+        return None, [f"{keys} = {values} does not divide the {world} ranks; use {' × '.join(named)} in "
+                      f"{divisors(world)}, or a multiple of {model_parallel} ranks"]
     dp = world // model_parallel
     replicate, shard = parallel.dp_replicate, parallel.dp_shard
     if replicate is None and shard is None:
@@ -134,13 +166,14 @@ def degree_problems(parallel: ParallelConfig, world: int, local_world: int
     elif shard is None:
         shard = dp // replicate if dp % replicate == 0 else 0
     if replicate * shard != dp:
-        return None, [f"parallel: pp {parallel.pp} × dp_replicate {parallel.dp_replicate or '?'} × dp_shard "
-                      f"{parallel.dp_shard or '?'} × tp {parallel.tp} must equal the {world} ranks; with pp "
-                      f"{parallel.pp} and tp {parallel.tp}, dp_replicate × dp_shard must be {dp} (each one of "
-                      f"{divisors(dp)})"]
+        given = " × ".join(f"{dim} {getattr(parallel, dim) or '?'}" for dim in keyed)
+        with_ = " and ".join(f"{dim} {fixed[dim]}" for dim in named)
+        return None, [f"parallel: {given} must equal the {world} ranks; with {with_}, dp_replicate × dp_shard must "
+                      f"be {dp} (each one of {divisors(dp)})"]
     problems = [f"parallel.dp_shard = {shard} shards, but parallel.strategy is ddp; use zero2, zero3 or a hybrid "
                 "strategy, or dp_shard 1"] if parallel.strategy == "ddp" and shard > 1 else []
-    return (parallel.pp, replicate, shard, parallel.tp), problems
+    data = {"dp_replicate": replicate, "dp_shard": shard}
+    return {dim: data[dim] if dim in DATA_PARALLEL else fixed[dim] for dim in DIMS}, problems
 
 
 def divisors(n: int) -> list[int]:
@@ -232,9 +265,9 @@ def rows_problem(batch: int, dp: int) -> str | None:
                 f"of {dp} ({' or '.join(map(str, near))}), or a data-parallel degree in {fits}, or the batch per rank "
                 "(train.micro_batch_size × train.grad_accum), which fits any rank count")
     if batch // dp > MAX_STREAMS_PER_RANK:  # each row is a stream with its own reader and window of documents
-        return (f"train.global_batch_size = {batch:,} puts {batch // dp:,} sequences of every step on each of the {dp} "
-                f"data-parallel ranks; at most {MAX_STREAMS_PER_RANK:,} per rank (each is a data stream with its own "
-                "position): lower it or use more ranks")
+        return (f"train.global_batch_size = {batch:,} puts {batch // dp:,} sequences of every step on each of the "
+                f"{dp} data-parallel ranks; at most {MAX_STREAMS_PER_RANK:,} per rank (each is a data stream with its "
+                "own position): lower it or use more ranks")
     return None
 
 
@@ -255,35 +288,15 @@ def microbatch_problem(count: int, per_rank: int, parallel: ParallelConfig, dp: 
         problem = (f"does not divide the {per_rank} sequences each of the {dp} data-parallel ranks gets per step "
                    f"(global batch {batch})")
     else:  # torch's ScheduleInterleaved1F1B runs max(1, n // pp) rounds of equal size
-        problem = f"is not a multiple of max(1, microbatches // pp) = {count // parallel.pp}, as interleaved_1f1b needs"
+        problem = (f"is not a multiple of max(1, microbatches // pp) = {count // parallel.pp}, as interleaved_1f1b "
+                   "needs")
     return f"parallel.microbatches = {count} {problem}; use one of {[n for n in range(1, per_rank + 1) if fits(n)]}"
 
 
 def apply_layout(config: RunConfig, layout: Layout) -> RunConfig:
     """`config` with the resolved batch written in: the global batch (the run's config.yaml then holds it, which a
     resume needs) and, under pp, the microbatches."""
-    parallel = {"microbatches": layout.grad_accum} if layout.pp > 1 else {}
+    parallel = {"microbatches": layout.grad_accum} if layout.degree("pp") > 1 else {}
     return config.updated(train={"grad_accum": None, "global_batch_size": layout.global_batch}, parallel=parallel)
 
 
-# ---- steps -------------------------------------------------------------------------------------------------
-def total_steps(config: RunConfig) -> int:
-    """Optimizer steps of the whole run, from `train.tokens` when set, else `train.steps` (which train.epochs
-    sets at start, once the data is counted). The global batch must be resolved (apply_layout)."""
-    train = config.train
-    if train.tokens:
-        return math.ceil(train.tokens / config.tokens_per_step)
-    if train.steps is None:
-        raise ConfigError("train: set train.steps, train.tokens or train.epochs")
-    return train.steps
-
-
-def check_budget_reaches(train: TrainConfig, total: int, step: int, checkpoint: object) -> None:
-    """A resumed run's budget (`total` steps) must reach past its checkpoint's `step`: below it, the run would
-    "train" from step 4 of 2 and report success."""
-    if step <= total:
-        return
-    key = next(k for k in ("tokens", "epochs", "steps") if getattr(train, k) is not None)
-    budget = f"train.{key} = {getattr(train, key)}" + (f" ({total} steps)" if key != "steps" else "")
-    raise ConfigError(f"{budget} is below the checkpoint's step {step} ({checkpoint}); set train.{key} to train past "
-                      f"step {step}, or start over with --resume none --overwrite")

@@ -3,6 +3,7 @@ and the trainer's start), with the sizes that would fit."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -10,7 +11,7 @@ import torch.distributed as dist
 from helpers import TINY, run_cli
 
 from clustertrain.cli import main
-from clustertrain.config.checks import ModelShape, apply_layout, check_world, resolve_layout
+from clustertrain.config.layout import DIMS, ModelShape, apply_layout, check_world, resolve_layout
 from clustertrain.config.load import load_config
 from clustertrain.distributed.env import RankInfo
 from clustertrain.errors import ConfigError
@@ -77,6 +78,19 @@ def test_under_pp_grad_accum_is_the_microbatch_count():
     assert (layout.dp, layout.global_batch, layout.micro_batch, layout.grad_accum) == (4, 64, 2, 8)
     config = apply_layout(config, layout)
     assert config.parallel.microbatches == 8
+
+
+def test_a_layout_has_a_degree_for_each_dimension_in_order_and_cp_is_one():
+    """DIMS is the one list of dimensions. cp has no config key yet: its degree is 1, and the start-up line
+    shows it once it is used, beside tp and pp, which it always shows."""
+    config = load_config(None, ["parallel.strategy=zero3", "parallel.tp=2", "train.micro_batch_size=1",
+                                "train.grad_accum=1"])
+    layout = resolve_layout(config, 8)
+    assert tuple(layout.degrees) == DIMS == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert [layout.degree(dim) for dim in DIMS] == [1, 1, 4, 1, 2] and layout.dp == 4
+    assert layout.describe(128).startswith("dp 4 (dp_replicate 1 × dp_shard 4), tp 2, pp 1; micro batch 1 × ")
+    with_cp = dataclasses.replace(layout, world_size=16, degrees={**layout.degrees, "cp": 2})
+    assert with_cp.describe(128).startswith("dp 4 (dp_replicate 1 × dp_shard 4), tp 2, cp 2, pp 1; micro batch")
 
 
 @pytest.mark.parametrize("overrides, world, wrapper", [
