@@ -40,7 +40,7 @@ def run_doctor(config: RunConfig, config_path: str | None, threshold: float, as_
     if kind == "cuda" and info.rank == 0:
         from clustertrain.train.plan_check import plan_run
 
-        plan = plan_run(run.config, info.world_size, info.local_world_size, kind)
+        plan = plan_run(run, info.local_world_size)
         planned = plan["peak_bytes"] if plan else None
     device = init_distributed(run.config.parallel, info)
     try:

@@ -13,7 +13,7 @@ The points, in a run's order (every rank calls them; an observer that writes fil
     on_step_start(step)      before optimizer step `step`
     on_step_end(step, result)   after it (the StepResult stays on the device: read it only when you must)
     on_log(step, record)     a record of metrics (loss, rates, evaluation, memory, ...)
-    on_eval(step)            before an evaluation
+    on_eval(step)            an evaluation (every train.eval_every and at the end): observers that evaluate, do
     on_save(step)            before a checkpoint save
     on_end(outcome)          the run is over: "finished" its budget or "stopped" at train.stop_after_steps (after
                              the last save), "preempted" (saved, to be resumed), "failed", or "closed" (a run

@@ -2,7 +2,7 @@
 process group (it needs a fake one), and written to <run_dir>/plan.json; at the end the run adds what it measured
 and prints one line comparing them.
 
-    planned = plan_run(config, world, per_node, device_type)         # rank 0, before init_process_group
+    planned = plan_run(resolved, per_node)                           # rank 0, before init_process_group
     files.write(files.plan, json.dumps({"plan": planned}))           # at start, once the run holds its lock
     watch = StateBytes(optimizers)                                   # counts the first step's gradients and states
     line = compare(files, planned, measured_records, baseline_bytes, watch)
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from clustertrain.config.schema import RunConfig
+from clustertrain.resolve.run import Resolved
 from clustertrain.errors import one_line
 from clustertrain.plan.fake import local_bytes, optimizer_state_bytes, state_bytes
 from clustertrain.run_dir import RunDir
@@ -25,19 +25,18 @@ from clustertrain.run_dir import RunDir
 log = logging.getLogger(__name__)
 
 
-def plan_run(config: RunConfig, world: int, per_node: int, device_type: str) -> dict | None:
-    """Plan `config` (resolved) on this world and device; None if it could not be planned (the run goes on: a
-    plan is advice). Nothing is written: the run directory is not the run's until it holds the lock."""
-    from clustertrain.config.layout import apply_layout, resolve_layout
+def plan_run(run: Resolved, per_node: int) -> dict | None:
+    """Plan the settled run on its world and device, `per_node` ranks a node; None if it could not be planned (the
+    run goes on: a plan is advice). Nothing is written: the run directory is not the run's until it holds the lock."""
     from clustertrain.plan.plan import make_plan
     from clustertrain.plan.target import TargetRequest, target_for
 
-    peak = config.metrics.peak_flops
-    request = TargetRequest(world=world, ranks_per_node=per_node, peak_tflops=peak / 1e12 if peak else None)
+    peak = run.config.metrics.peak_flops
+    request = TargetRequest(world=run.layout.world_size, ranks_per_node=per_node,
+                            peak_tflops=peak / 1e12 if peak else None)
     try:
-        target = target_for(config, request, device_type=device_type)
-        layout = resolve_layout(target.config, world, per_node)
-        return make_plan(apply_layout(target.config, layout), layout, per_node, target.device).to_json()
+        target = target_for(run.config, request, device_type=run.device_type or "cpu")
+        return make_plan(target.config, run.layout, per_node, target.device).to_json()
     except Exception as e:  # noqa: BLE001 - a plan is advice: whatever stops it, the run trains
         log.warning("the run could not be planned (%s); it trains all the same", one_line(e)[:200])
         return None

@@ -80,8 +80,8 @@ class Trainer:
         self.resolved = run = resolve(self.config, info.world_size, info.local_world_size,
                                       device_type(self.config.parallel))
         cfg = self.config = run.config
-        self.planned = (plan_run(cfg, run.layout.world_size, info.local_world_size, run.device_type)
-                        if cfg.metrics.plan and info.rank == 0 else None)  # its fake process group goes first
+        self.planned = (plan_run(run, info.local_world_size) if cfg.metrics.plan and info.rank == 0
+                        else None)  # its fake process group goes first
         device = init_distributed(cfg.parallel, info, self.files.root)
         self.lock = lock_run_dir(self.files, dist.get_rank() == 0)  # before the run directory is touched
         self.watchdog = Watchdog(cfg.watchdog, self.files, dist.get_rank(), dist.get_world_size(), self._hung,

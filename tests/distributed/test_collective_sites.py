@@ -70,7 +70,7 @@ def test_every_collective_site_of_a_sharded_run_uses_the_group_device(tmp_path):
     assert [c for c in calls if c["wrong_device"]] == []
     assert {c["module"] for c in calls} == {"distributed/collectives.py"}
     sites = {c["site"] for c in calls}
-    for site in ["trainer.build", "step.count_tokens", "step.global_mean_loss", "batches.metrics",
+    for site in ["parts.lay_out_model", "step.count_tokens", "step.global_mean_loss", "batches.metrics",
                  "evaluate.evaluate", "stop.agreed", "loader.state_dict", "audit.record"]:
         assert site in sites, (site, sites)
 

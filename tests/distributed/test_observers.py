@@ -63,7 +63,8 @@ def _expected(first: int, last: int) -> list[list]:
     for step in range(first, last + 1):
         points += [["step_start", step], ["log", step, ["loss"]], ["step_end", step, True]]
         if step % 2 == 0:
-            points += [["eval", step], ["log", step, ["eval_loss"]], ["save", step], ["log", step, [KEYS[-1]]]]
+            # the standard observers come first: the held-out loss is logged before this observer's on_eval
+            points += [["log", step, ["eval_loss"]], ["eval", step], ["save", step], ["log", step, [KEYS[-1]]]]
     return points + [["save", last], ["end", "finished"]]  # the run's last save, waited for at its end
 
 
