@@ -15,8 +15,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The fraction of the peak FLOP/s a step's matmuls are expected to reach, the same guess for every device until
-# one is measured (docs/plan.md: the H100 runs' step times planned at it were 0.65 and 0.50 of the measured ones).
+# The fraction of the peak FLOP/s a training step is expected to reach: the published MFU of comparable runs per
+# device family (docs/plan.md tabulates them). MFU counts the model's FLOPs only, and the plan adds recompute and
+# unhidden communication on top, so these err slow.
+# Hopper (H100; H200 and GH200 carry the same GPU): 0.40. "The Llama 3 Herd of Models" (Meta, arXiv:2407.21783),
+# Table 4: 38-43% BF16 MFU, Llama 3 405B on 8,192-16,384 H100s; llm-foundry's H100 80GB BF16 table
+# (github.com/mosaicml/llm-foundry, scripts/train/benchmarking/README.md): MPT-7B to 70B, 2k-8k tokens, 8-64 GPUs,
+# 36-46%; torchtitan's docs/performance.md: Llama 3.1 8B on 8 and 128 H100s (500 W), 33-39%.
+HOPPER_EFFICIENCY = 0.40
+# A100 80GB: 0.55. torchtitan's docs/performance.md: Llama 3 8B on 64 A100 80GB, FSDP2, 56.8% (selective layer)
+# and 58.2% (selective op) MFU, 70B 51.7%; llm-foundry's A100 80GB table: MPT-7B and 13B, 2k-8k tokens, 54-64%.
+A100_80GB_EFFICIENCY = 0.55
+# A100 40GB: 0.50. llm-foundry's A100 40GB table: MPT-7B and 13B, 2k-8k tokens, 8-128 GPUs, 44-53%.
+A100_40GB_EFFICIENCY = 0.50
+# CDNA2 (an MI250X GCD; the MI250's is the same die, clocked lower): 0.40. Llama 3 8B with torchtitan on 64
+# Frontier GCDs, FSDP2, op-level selective checkpointing: ~40% MFU (github.com/eminorhan/frontier-torchtitan,
+# README); Dash et al., "Optimizing Distributed Training on Frontier for Large Language Models" (arXiv:2312.12705,
+# 2023): 38.38%, 36.14% and 31.96% of peak for 22B, 175B and 1T GPT models on MI250X.
+CDNA2_EFFICIENCY = 0.40
+# Every other device (and a preset's own): NO PUBLISHED FIGURE, an unsourced default until one is measured
+# (docs/plan.md: one H100's step times planned at 0.5 were 0.65 and 0.50 of the measured ones).
 EFFICIENCY = 0.5
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
@@ -52,18 +70,18 @@ class Accelerator:
 # "H200", "GB200" contains "B200", "L40S" contains "L4".
 CATALOGUE: tuple[Accelerator, ...] = (
     # NVIDIA H100 datasheet: H100 NVL BF16 1,671* / TF32 835* TFLOPS (per GPU), 94 GB HBM3.
-    Accelerator("h100-nvl", "NVIDIA H100 NVL", ("h100 nvl",), 94, 835.5e12, 417.5e12),
+    Accelerator("h100-nvl", "NVIDIA H100 NVL", ("h100 nvl",), 94, 835.5e12, 417.5e12, efficiency=HOPPER_EFFICIENCY),
     # NVIDIA H100 datasheet: H100 PCIe BF16 1,513* / TF32 756* TFLOPS, 80 GB HBM2e.
-    Accelerator("h100-pcie", "NVIDIA H100 PCIe", ("h100 pcie",), 80, 756e12, 378e12),
+    Accelerator("h100-pcie", "NVIDIA H100 PCIe", ("h100 pcie",), 80, 756e12, 378e12, efficiency=HOPPER_EFFICIENCY),
     # NVIDIA GH200 datasheet: same Hopper GPU as H100 SXM, BF16 1,979* / TF32 989*; 96 GB HBM3 ("GH200 480GB").
-    Accelerator("gh200", "NVIDIA GH200", ("gh200",), 96, 989e12, 494.5e12),
+    Accelerator("gh200", "NVIDIA GH200", ("gh200",), 96, 989e12, 494.5e12, efficiency=HOPPER_EFFICIENCY),
     # NVIDIA H100 datasheet (https://www.nvidia.com/en-us/data-center/h100/): H100 SXM BF16 1,979* / TF32 989*
     # ("NVIDIA H100 80GB HBM3"), 80 GB HBM3; torch float32 matmuls run at the TF32 rate with TF32 enabled.
-    Accelerator("h100-sxm", "NVIDIA H100 SXM5 80GB", ("h100",), 80, 989e12, 494.5e12),
+    Accelerator("h100-sxm", "NVIDIA H100 SXM5 80GB", ("h100",), 80, 989e12, 494.5e12, efficiency=HOPPER_EFFICIENCY),
     # NVIDIA H200 datasheet: H200 NVL BF16 1,671* / TF32 835*, 141 GB HBM3e.
-    Accelerator("h200-nvl", "NVIDIA H200 NVL", ("h200 nvl",), 141, 835.5e12, 417.5e12),
+    Accelerator("h200-nvl", "NVIDIA H200 NVL", ("h200 nvl",), 141, 835.5e12, 417.5e12, efficiency=HOPPER_EFFICIENCY),
     # NVIDIA H200 datasheet: H200 SXM BF16 1,979* / TF32 989*, 141 GB HBM3e.
-    Accelerator("h200-sxm", "NVIDIA H200 SXM", ("h200",), 141, 989e12, 494.5e12),
+    Accelerator("h200-sxm", "NVIDIA H200 SXM", ("h200",), 141, 989e12, 494.5e12, efficiency=HOPPER_EFFICIENCY),
     # NVIDIA GB200 NVL72 datasheet: 360 PF BF16* / 180 PF TF32* and 13.4 TB HBM3e for 72 GPUs.
     Accelerator("gb200", "NVIDIA GB200", ("gb200",), 186, 2500e12, 1250e12),
     # NVIDIA HGX B200 datasheet: 36 PF BF16* / 18 PF TF32* and 1.4 TB HBM3e for 8 GPUs.
@@ -71,8 +89,9 @@ CATALOGUE: tuple[Accelerator, ...] = (
     # NVIDIA A100 datasheet (https://www.nvidia.com/en-us/data-center/a100/), SXM and PCIe: BF16 312 / TF32 156
     # dense; 80 GB HBM2e or 40 GB HBM2. torch names
     # the 80 GB ones "NVIDIA A100-SXM4-80GB" and "NVIDIA A100 80GB PCIe"; any other A100 counts as a 40 GB one.
-    Accelerator("a100-80gb", "NVIDIA A100 SXM4 80GB", ("a100-sxm4-80gb", "a100 80gb"), 80, 312e12, 156e12),
-    Accelerator("a100-40gb", "NVIDIA A100 SXM4 40GB", ("a100",), 40, 312e12, 156e12),
+    Accelerator("a100-80gb", "NVIDIA A100 SXM4 80GB", ("a100-sxm4-80gb", "a100 80gb"), 80, 312e12, 156e12,
+                efficiency=A100_80GB_EFFICIENCY),
+    Accelerator("a100-40gb", "NVIDIA A100 SXM4 40GB", ("a100",), 40, 312e12, 156e12, efficiency=A100_40GB_EFFICIENCY),
     # NVIDIA publishes no A10G datasheet; AWS EC2 G5 figures: 70 TFLOPS FP16 tensor, 35 TF32, 24 GB.
     Accelerator("a10g", "NVIDIA A10G", ("a10g",), 24, 70e12, 35e12),
     # NVIDIA A10 datasheet: BF16 125 / TF32 62.5 dense, 24 GB GDDR6 (after "a100"/"a10g": substring).
@@ -91,9 +110,9 @@ CATALOGUE: tuple[Accelerator, ...] = (
     # AMD MI250X datasheet (https://www.amd.com/en/products/accelerators/instinct/mi200/mi250x.html): BF16 (and
     # FP16) 383 / FP32 matrix 95.7 TFLOPS and 128 GB HBM2e for 2 GCDs, no sparsity figure; one GCD is one
     # torch device. ROCm may report "AMD Instinct MI250X / MI250": matched as MI250X.
-    Accelerator("mi250x-gcd", "AMD MI250X GCD", ("mi250x",), 64, 191.5e12, 47.85e12),
+    Accelerator("mi250x-gcd", "AMD MI250X GCD", ("mi250x",), 64, 191.5e12, 47.85e12, efficiency=CDNA2_EFFICIENCY),
     # AMD MI250 datasheet: BF16 362.1 / FP32 matrix 90.5 TFLOPS and 128 GB HBM2e for 2 GCDs.
-    Accelerator("mi250-gcd", "AMD MI250 GCD", ("mi250",), 64, 181.05e12, 45.25e12),
+    Accelerator("mi250-gcd", "AMD MI250 GCD", ("mi250",), 64, 181.05e12, 45.25e12, efficiency=CDNA2_EFFICIENCY),
     # AMD MI210 datasheet: BF16 181 / FP32 matrix 45.3 TFLOPS (one GCD), 64 GB HBM2e.
     Accelerator("mi210", "AMD MI210", ("mi210",), 64, 181e12, 45.3e12),
     # AMD MI300X datasheet: BF16 1,307.4 / FP32 matrix 163.4 TFLOPS dense, 192 GB HBM3.

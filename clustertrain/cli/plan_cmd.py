@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 
 from clustertrain.errors import UserError
 
@@ -40,7 +41,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--peak-tflops", type=float, metavar="T",
                         help="the device's peak at the compute dtype (above 0)")
     parser.add_argument("--efficiency", type=float, metavar="F", help="fraction of peak FLOP/s the matmuls reach, "
-                        "above 0 and at most 1 (default: the device's in the hardware catalogue, 0.5)")
+                        "above 0 and at most 1 (default: the device's published MFU in the hardware catalogue, "
+                        "e.g. 0.40 on an H100 or an MI250X GCD; 0.5 for a device with none)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. parallel.tp=8")
     parser.add_argument("--search", action="store_true", help="try the layouts that could train this config on this "
                         "world (strategy, tp, pp, micro batch, activation checkpointing) and rank those that fit")
@@ -106,7 +108,8 @@ def check_numbers(args: argparse.Namespace) -> None:
 def _search(args: argparse.Namespace, target, name: str) -> int:
     from clustertrain.plan.search import search
 
-    ranked = search(target.config, target.world, target.device.per_node, target.device)
+    searched = search(target.config, target.world, target.device.per_node, target.device)
+    ranked = searched.choices
     if args.plot and ranked:
         from clustertrain.plan.picture import draw
 
@@ -120,6 +123,8 @@ def _search(args: argparse.Namespace, target, name: str) -> int:
         for i, choice in enumerate(ranked):
             print(f"  #{i + 1} {choice.describe()}")
         print(f"\nthe best, #1:\n{plan_table(ranked[0].plan)}")
+    if searched.skipped:  # on stderr under --json, which keeps stdout one JSON document
+        print(f"plan --search: {searched.skipped}", file=sys.stderr if args.json else sys.stdout)
     return 0 if ranked else 1
 
 

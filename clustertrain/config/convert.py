@@ -222,6 +222,7 @@ def finish_torchtitan(flat: dict[str, Any], targets: dict[str, Any], unmapped: l
         targets["checkpoint.every"] = 0
     elif "checkpoint.interval" in flat:
         targets["checkpoint.every"] = flat["checkpoint.interval"]
+    tables.torchtitan_checkpointing(flat, targets)
     _betas(targets, (0.9, 0.95))
 
 

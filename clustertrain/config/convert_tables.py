@@ -108,9 +108,8 @@ TORCHTITAN: dict[str, Any] = {
     "activation_checkpoint.mode": choice("parallel.activation_checkpoint",
                                          {"none": "none", "full": "full", "selective": "selective"}),
     "activation_checkpoint.selective_ac_option": lambda v: (
-        {"parallel.activation_checkpoint_every": int(v)} if str(v).isdigit() else _raise(
-            "per-op selective checkpointing has no counterpart; parallel.activation_checkpoint_every N recomputes "
-            "every N-th block")),
+        {} if str(v) == "op" or str(v).isdigit() and int(v) > 0 else _raise(
+            "'op' (op-level: selective) or a stride N > 0 (every N-th block: every_n)")),  # torchtitan_checkpointing
     "compile.enable": "parallel.compile",
     "compile.components": lambda v: {} if set(v) <= {"model", "loss"} else _raise("clustertrain compiles blocks"),
     "metrics.log_freq": "metrics.log_every",
@@ -275,6 +274,15 @@ HF_MARKERS = {"learning_rate", "per_device_train_batch_size", "num_train_epochs"
 STUB_MARKERS = {"sharding_stage", "zero3_hybrid", "lr_scheduler", "chkpt_saving_iterations", "dataset",
                 "max_iterations", "train_iters"}
 DEEPSPEED_MARKERS = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping"}
+
+
+def torchtitan_checkpointing(flat: dict[str, Any], targets: dict[str, Any]) -> None:
+    """torchtitan's `selective` is op-level with `selective_ac_option = "op"` (our `selective`) and every N-th
+    block with a number N (our `every_n`), its default "2"."""
+    option = str(flat.get("activation_checkpoint.selective_ac_option", "2"))
+    if targets.get("parallel.activation_checkpoint") == "selective" and option.isdigit():
+        targets.update({"parallel.activation_checkpoint": "every_n",
+                        "parallel.activation_checkpoint_every": int(option)})
 
 
 def _raise(why: str) -> dict[str, Any]:

@@ -130,11 +130,12 @@ class ParallelConfig(Section):
     )
     loss_scale: float = Field(2.0**16, gt=0, allow_inf_nan=False, description="float16: the loss scaler's first "
                               "scale; it halves at every step whose scaled gradients overflow (that step is skipped).")
-    activation_checkpoint: Literal["none", "full", "selective"] = Field(
-        "none", description="Recompute block activations in backward instead of keeping them: in every block (full), "
-        "in every `activation_checkpoint_every`-th block (selective), or none.",
+    activation_checkpoint: Literal["none", "full", "selective", "every_n"] = Field(
+        "none", description="Recompute block activations in backward instead of keeping them: all of every block "
+        "(full), all but the outputs of its matmuls (every other one) and attention in every block (selective, "
+        "torchtitan's op-level mode), all of every `activation_checkpoint_every`-th block (every_n), or none.",
     )
-    activation_checkpoint_every: int = Field(2, gt=0, description="Selective checkpointing's stride in blocks.")
+    activation_checkpoint_every: int = Field(2, gt=0, description="every_n checkpointing's stride in blocks.")
     compile: bool = Field(False, description="torch.compile each transformer block (after tp and checkpointing, "
                           "before sharding).")
     reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")

@@ -28,7 +28,7 @@ def choose_layout(config: RunConfig, world: int, per_node: int, device_type: str
     """The fastest layout of `config` that fits `world` ranks: each candidate is built and stepped on a fake rank.
 
     Raises:
-        ConfigError: no layout fits.
+        ConfigError: no layout fits, or none of the world runs the config (its batch, its heads).
     """
     from clustertrain.plan.search import search
     from clustertrain.plan.target import TargetRequest, target_for
@@ -36,7 +36,7 @@ def choose_layout(config: RunConfig, world: int, per_node: int, device_type: str
     request = TargetRequest(world=world, ranks_per_node=per_node, peak_tflops=1.0 if device_type != "cuda" else None)
     target = target_for(config, request, device_type=device_type or "cpu")  # settles param_dtype auto
     device, dtype = target.device, target.config.parallel.param_dtype
-    ranked = search(target.config.updated(parallel={"strategy": "zero3"}), world, per_node, device, keep=3)
+    ranked = search(target.config.updated(parallel={"strategy": "zero3"}), world, per_node, device, keep=3).choices
     if not ranked:
         raise ConfigError(f"parallel.strategy = auto: no layout of this config fits {world} rank(s) of "
                           f"{device.name}; see `clustertrain plan CONFIG --world {world} --search`")

@@ -85,10 +85,11 @@ def traffic(config: RunConfig, layout: Layout, params_bytes: int, trainable_byte
         out.add("dp_replicate", 2 * (n - 1) / n * trainable_bytes, "all-reduce of the gradients")
     if layout.degree("tp") > 1:
         t = layout.degree("tp")
-        recompute = 2 if parallel.activation_checkpoint == "full" else 0
+        recompute = {"full": 2, "every_n": 2 / parallel.activation_checkpoint_every}.get(
+            parallel.activation_checkpoint, 0)  # selective keeps the collectives' outputs
         activation = rows * seq * hidden * param_itemsize
         per_layer = (4 + recompute) * 2 * (t - 1) / t * activation
-        out.add("tp", accum * layers / layout.degree("pp") * per_layer, f"{4 + recompute} all-reduces per block")
+        out.add("tp", accum * layers / layout.degree("pp") * per_layer, f"{4 + recompute:g} all-reduces per block")
     if layout.degree("pp") > 1:
         out.add("pp", 2 * accum * rows * seq * hidden * param_itemsize, "activations and their gradients")
     out.inside_node = {dim: inside_node(layout, dim, per_node) for dim in out.bytes}
@@ -96,11 +97,14 @@ def traffic(config: RunConfig, layout: Layout, params_bytes: int, trainable_byte
 
 
 def recompute_factor(config: RunConfig) -> float:
-    """Hardware FLOPs over model FLOPs: a recomputed forward is a third of forward + backward."""
+    """Hardware FLOPs over model FLOPs: a recomputed forward is a third of forward + backward; `selective`
+    reruns every second matmul of a block and keeps attention, about half its forward."""
     ac = config.parallel.activation_checkpoint
     if ac == "full":
         return 4 / 3
     if ac == "selective":
+        return 1 + 1 / 6
+    if ac == "every_n":
         return 1 + 1 / (3 * config.parallel.activation_checkpoint_every)
     return 1.0
 

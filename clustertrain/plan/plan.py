@@ -120,9 +120,9 @@ def make_plan(config: RunConfig, layout: Layout, per_node: int, device: Device) 
 def measure_stage(config: RunConfig, layout: Layout, rank: int) -> RankBytes:
     """`measure_rank` of `rank`. Without pipeline stages a deep model is measured at two short depths and the
     rest follows: each block holds, keeps and sends the same (its own FSDP shards, its saved activations), so
-    every figure grows by the same amount per block (per `activation_checkpoint_every` blocks under selective
+    every figure grows by the same amount per block (per `activation_checkpoint_every` blocks under every_n
     checkpointing). Planning Llama-3-70B at 1,024 ranks takes seconds this way, not half a minute."""
-    stride = config.parallel.activation_checkpoint_every if config.parallel.activation_checkpoint == "selective" else 1
+    stride = config.parallel.activation_checkpoint_every if config.parallel.activation_checkpoint == "every_n" else 1
     layers = model_shape(config.model, config.data.vocab_size).layers
     if layout.degree("pp") > 1 or not layers or layers <= DIRECT_LAYERS * stride or layers % stride:
         with fake_world(layout.world_size, rank):

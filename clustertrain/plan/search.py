@@ -1,13 +1,16 @@
 """The layouts a config could train with on a world, ranked by expected tokens/s among those that fit.
 
-    ranked = search(config, world_size=16, per_node=8, device=device)   # best first; [] if none fits
-    ranked[0].plan.layout, ranked[0].overrides                            # what `parallel.strategy: auto` takes
+    ranked = search(config, world=16, per_node=8, device=device)   # best first in .choices; [] if none fits
+    ranked.choices[0].plan.layout, ranked.choices[0].overrides       # what `parallel.strategy: auto` takes
+    ranked.skipped       # one line, e.g. "skipped 90 layouts: 90 whose 512, 256 or 128 data-parallel ranks ..."
 
 Candidates: every strategy (ddp, zero2, zero3, and the hybrids across nodes), tp inside a node, pp up to 4,
-micro batches that divide a rank's share of the global batch, activation checkpointing none or full; the
+micro batches that divide a rank's share of the global batch, activation checkpointing none, selective or full; the
 global batch, sequence length and everything else stay the config's. Each candidate's step is first costed
 from the model's parameter count alone (`plan.cost`); they are then planned for real (`make_plan`: built and
 stepped under a fake process group) in that order until `keep` fit, and those are ranked by their plans.
+Layouts the config cannot run (a data-parallel degree that does not divide its global batch, a tp that does not
+divide its heads) are skipped and counted in one line; a world where none runs is refused in one.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from clustertrain.config.layout import Layout, apply_layout, check_world, resolve_layout
+from clustertrain.config.layout import Layout, apply_layout, check_world, global_batch_size, resolve_layout
 from clustertrain.config.schema import RunConfig
-from clustertrain.errors import UserError
+from clustertrain.errors import ConfigError
 from clustertrain.model.spec import model_shape
 from clustertrain.plan.cost import Device
 from clustertrain.plan.plan import Plan, make_plan
 
 STRATEGIES = ("ddp", "zero2", "zero3", "hybrid_zero2", "hybrid_zero3")
+CHECKPOINTING = ("none", "selective", "full")  # least recompute first
 
 
 @dataclass(frozen=True)
@@ -41,20 +45,66 @@ class Choice:
         return f"{', '.join(keys)}: {speed}, peak {self.plan.peak_bytes / 1e9:.2f} GB a rank"
 
 
-def candidates(config: RunConfig, world: int, per_node: int) -> list[dict]:
-    """Overrides of every layout of `config` on `world` ranks that passes the run's own checks."""
+@dataclass(frozen=True)
+class Candidates:
+    """The layouts a search tries on a world, and those of the world it skipped because the config cannot run them.
+
+    A layout is a strategy, tp, pp and checkpointing; each one tried comes with every micro batch that passes."""
+
+    overrides: list[dict]  # section -> keys, for RunConfig.updated: one per layout and micro batch
+    batch: int  # the global batch, in sequences
+    undivided: dict[int, int]  # a data-parallel degree that does not divide the batch -> its layouts skipped
+    refused: dict[str, list[str]]  # the key the run's own check named first -> its line, one per layout skipped
+
+    def skipped_line(self) -> str | None:
+        """How many layouts were skipped and why, in one line; None when none was."""
+        count = sum(self.undivided.values()) + sum(len(lines) for lines in self.refused.values())
+        if not count:
+            return None
+        parts = [f"{sum(self.undivided.values())} whose {_or(sorted(self.undivided, reverse=True))} data-parallel "
+                 f"ranks do not divide the global batch of {self.batch:,} sequences"] if self.undivided else []
+        parts += [f"{len(lines)} by {key} ({lines[0]})" for key, lines in self.refused.items()]
+        return f"skipped {count} layouts: " + "; ".join(parts)
+
+    def refusal(self, world: int) -> str:
+        """Why no layout of `world` ranks runs the config: one line naming the key and what would fit."""
+        lines = max(self.refused.values(), key=len, default=[])
+        if len(lines) > sum(self.undivided.values()):
+            return f"no layout runs this config on {world} ranks: {lines[0]}"
+        least = min(self.undivided)  # a multiple of it fits at least that degree's layouts
+        near = sorted({max(least, self.batch // least * least), (self.batch // least + 1) * least})
+        return (f"train.global_batch_size = {self.batch:,} does not divide among the data-parallel ranks of any "
+                f"layout on {world} ranks ({_or(sorted(self.undivided, reverse=True))}); use a multiple of {least} "
+                f"({' or '.join(f'{n:,}' for n in near)})")
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """What a search found: the layouts that fit, fastest first, and one line on those it skipped (None: none)."""
+
+    choices: list[Choice]
+    skipped: str | None
+
+
+def candidates(config: RunConfig, world: int, per_node: int) -> Candidates:
+    """Overrides of every layout of `config` on `world` ranks that passes the run's own checks, and why the
+    others of the world do not."""
     shape = model_shape(config.model, config.data.vocab_size)
-    base = resolve_layout(config.updated(parallel={"strategy": "ddp", "tp": 1, "pp": 1, "dp_shard": None,
-                                                   "dp_replicate": None, "microbatches": None}), world, per_node)
-    batch = base.global_batch
-    found = []
-    for strategy, tp, pp, ac in itertools.product(STRATEGIES, (1, 2, 4, 8), (1, 2, 4), ("none", "full")):
+    batch = global_batch_size(config.train, world)  # with grad_accum: micro batch × accumulation × all ranks
+    found: list[dict] = []
+    undivided: dict[int, int] = {}
+    refused: dict[str, list[str]] = {}
+    for strategy, tp, pp, ac in itertools.product(STRATEGIES, (1, 2, 4, 8), (1, 2, 4), CHECKPOINTING):
         if tp > per_node or world % (tp * pp) or (strategy.startswith("hybrid") and world <= per_node):
-            continue
+            continue  # not a layout of this world
         dp = world // (tp * pp)
         if batch % dp:
+            undivided[dp] = undivided.get(dp, 0) + 1
             continue
         rows = batch // dp
+        first = [f"parallel.pp = {pp} stages, but each data-parallel rank gets {rows} sequences a step: fewer "
+                 "microbatches than stages"] if pp > rows else []
+        tried = len(found)
         for micro in sorted({1, 2, 4, 8, rows} & set(range(1, rows + 1))):
             if rows % micro or (pp > 1 and rows // micro < pp):
                 continue
@@ -63,21 +113,35 @@ def candidates(config: RunConfig, world: int, per_node: int) -> list[dict]:
                              "activation_checkpoint": ac, "microbatches": rows // micro if pp > 1 else None},
                 "train": {"global_batch_size": batch, "grad_accum": None, "micro_batch_size": micro},
             }
-            candidate = config.updated(**overrides)
-            if not check_world(candidate, world, per_node, shape):
+            problems = check_world(config.updated(**overrides), world, per_node, shape)
+            if problems:
+                first = first or problems
+            else:
                 found.append(overrides)
-    return found
+        if len(found) == tried:  # no micro batch passed: the first problem met says why
+            refused.setdefault(first[0].split(" ", 1)[0].rstrip(":"), []).append(first[0])
+    return Candidates(found, batch, undivided, refused)
 
 
-def search(config: RunConfig, world: int, per_node: int, device: Device, keep: int = 5) -> list[Choice]:
-    """The layouts of `config` on `world` ranks that fit `device`, fastest first (at most `keep`)."""
+def _or(numbers: list[int]) -> str:
+    """The numbers in words, e.g. 512, 256 or 128."""
+    return ", ".join(map(str, numbers[:-1])) + (" or " if len(numbers) > 1 else "") + str(numbers[-1])
+
+
+def search(config: RunConfig, world: int, per_node: int, device: Device, keep: int = 5) -> Ranked:
+    """The layouts of `config` on `world` ranks that fit `device`, fastest first (at most `keep`).
+
+    Raises:
+        ConfigError: no layout of the world passes the run's checks (one line naming the key and what would fit).
+    """
+    tried = candidates(config, world, per_node)
     costed = []
-    for overrides in candidates(config, world, per_node):
+    for overrides in tried.overrides:
         candidate = config.updated(**overrides)
         layout = resolve_layout(candidate, world, per_node)
         costed.append((overrides, apply_layout(candidate, layout), layout))
     if not costed:
-        raise UserError(f"plan --search: no layout of this config passes its checks on {world} ranks")
+        raise ConfigError(tried.refusal(world))
     total, trainable = _param_counts(config)
     fitting: list[Choice] = []
     for overrides, candidate, layout in sorted(costed, key=lambda c: _rough_order(c[1], c[2])):
@@ -88,7 +152,7 @@ def search(config: RunConfig, world: int, per_node: int, device: Device, keep: i
             fitting.append(Choice(overrides, plan))
         if len(fitting) == keep:
             break
-    return sorted(fitting, key=lambda c: -(c.plan.tokens_per_s or 0))
+    return Ranked(sorted(fitting, key=lambda c: -(c.plan.tokens_per_s or 0)), tried.skipped_line())
 
 
 def _rough_order(config: RunConfig, layout: Layout) -> tuple:
@@ -96,7 +160,7 @@ def _rough_order(config: RunConfig, layout: Layout) -> tuple:
     less data-parallel traffic (ddp and zero2 send the weights once, zero3 twice)."""
     p = config.parallel
     traffic = {"ddp": 0, "zero2": 1, "hybrid_zero2": 1, "zero3": 2, "hybrid_zero3": 2}[p.strategy]
-    return (p.activation_checkpoint != "none", p.tp * p.pp, -layout.micro_batch, traffic)
+    return (CHECKPOINTING.index(p.activation_checkpoint), p.tp * p.pp, -layout.micro_batch, traffic)
 
 
 def _param_counts(config: RunConfig) -> tuple[int, int]:

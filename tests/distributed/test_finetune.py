@@ -123,10 +123,11 @@ def test_lora_keeps_its_frozen_base_in_the_compute_dtype(tmp_path, snapshot, str
 
 def test_lora_trains_the_same_under_activation_checkpointing(tmp_path, snapshot):
     """Recomputing blocks whose inputs need no gradient (frozen embeddings) still trains the adapters, identically."""
-    for mode in ("none", "full"):
+    for mode in ("none", "selective", "full"):
         train(tmp_path / mode, f"model.path={snapshot}", *LORA, "train.steps=4", "parallel.strategy=zero3",
               f"parallel.activation_checkpoint={mode}", nproc=2)
     assert losses(tmp_path / "full") == pytest.approx(losses(tmp_path / "none"), rel=1e-6)
+    assert losses(tmp_path / "selective") == pytest.approx(losses(tmp_path / "none"), rel=1e-6)
     assert losses(tmp_path / "full")[4] < losses(tmp_path / "full")[1] - 0.05
 
 

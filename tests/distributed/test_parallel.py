@@ -14,9 +14,9 @@ DEEP = ("model.config={hidden_size: 128, intermediate_size: 256, num_hidden_laye
 
 def test_activation_checkpointing_trains_like_no_checkpointing(tmp_path):
     """How much less it keeps is tests/unit/parallel/test_ac.py's; here a whole run under each mode agrees."""
-    for name, mode in (("none", "none"), ("selective", "selective"), ("full", "full")):
+    for name, mode in (("none", "none"), ("every_n", "every_n"), ("selective", "selective"), ("full", "full")):
         train(tmp_path / name, *DEEP, f"parallel.activation_checkpoint={mode}")
-    for name in ("selective", "full"):
+    for name in ("every_n", "selective", "full"):
         assert losses(tmp_path / name) == pytest.approx(losses(tmp_path / "none"), rel=1e-6)
         assert grad_norms(tmp_path / name) == pytest.approx(grad_norms(tmp_path / "none"), rel=1e-6)
 

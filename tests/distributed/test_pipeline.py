@@ -32,7 +32,8 @@ LAYOUTS = {
     "gpt2_pp2": dict(nproc=2, overrides=[*GPT2, "parallel.pp=2"]),
     "deep_single": dict(nproc=None, overrides=[*DEEP, *EVAL]),
     "deep_pp2_interleaved": dict(nproc=2, overrides=[*DEEP, *INTERLEAVED]),
-    # 2 blocks per stage: selective's stride counts from each stage's first block
+    # 2 blocks per stage: every_n's stride counts from each stage's first block
+    "deep_pp2_ac_every_n": dict(nproc=2, overrides=[*DEEP, "parallel.pp=2", "parallel.activation_checkpoint=every_n"]),
     "deep_pp2_ac_selective": dict(nproc=2, overrides=[*DEEP, "parallel.pp=2",
                                                       "parallel.activation_checkpoint=selective"]),
     # 2 pipelines of 2 ranks, each rank with 2 stages; ddp wraps every stage in FSDP2 over a replicating mesh
@@ -58,7 +59,8 @@ def runs(tmp_path_factory):
     ("pp2_gpipe", "single"), ("pp2_1f1b", "single"), ("zero3_dp2_pp2", "single"), ("gpt2_pp2", "gpt2_single"),
     ("deep_pp2_interleaved", "deep_single"), ("lora_pp2", "lora_single"), ("pp2_1f1b_chunked", "single"),
     ("lora_pp2_chunked", "lora_single"), ("pp2_tp2", "single"), ("pp2_ac_full", "single"),
-    ("deep_pp2_ac_selective", "deep_single"), ("deep_ddp_dp2_pp2_interleaved", "deep_single"),
+    ("deep_pp2_ac_selective", "deep_single"), ("deep_pp2_ac_every_n", "deep_single"),
+    ("deep_ddp_dp2_pp2_interleaved", "deep_single"),
 ])
 def test_pipeline_matches_one_rank(runs, name, reference):
     for measure in (losses, grad_norms):

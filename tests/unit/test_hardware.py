@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import TINY
@@ -82,3 +84,21 @@ def test_the_catalogue_has_one_entry_per_key_each_found_by_its_own_name():
     for device in CATALOGUE:  # first match wins: no earlier, shorter pattern may shadow a device
         assert all(find(pattern) is device for pattern in device.patterns), device.key
         assert 0 < device.efficiency <= 1 and (device.bf16 or device.fp16) and device.fp32
+
+
+@pytest.mark.parametrize(("preset", "published"), [
+    ("h100", 0.40),  # Llama 3 405B on 16K H100s: 38-43% MFU; llm-foundry and torchtitan tables
+    ("a100", 0.55),  # torchtitan's Llama 3 8B on 64 A100 80GB: 57-58%; llm-foundry: 54-64%
+    ("perlmutter", 0.50),  # llm-foundry's A100 40GB table: 44-53%
+    ("frontier", 0.40),  # torchtitan's Llama 3 8B on 64 MI250X GCDs: ~40%; Dash et al. 2023: 32-38%
+], ids=["h100", "a100", "perlmutter", "frontier"])
+def test_a_plan_runs_at_its_device_s_published_efficiency_unless_told_another(capsys, preset, published):
+    from clustertrain.cli import main
+
+    plans = {}
+    for told in (None, 0.2):
+        argv = ["plan", "--world", "2", "--preset", preset, "--json", *[f"--set={o}" for o in TINY]]
+        main([*argv, *(["--efficiency", str(told)] if told else [])])
+        plans[told] = json.loads(capsys.readouterr().out)
+    assert plans[None]["device"]["efficiency"] == published and plans[0.2]["device"]["efficiency"] == 0.2
+    assert plans[0.2]["compute_s"] == pytest.approx(plans[None]["compute_s"] * published / 0.2, rel=1e-9)

@@ -47,7 +47,8 @@ def test_a_torchtitan_toml(tmp_path, capsys):
                                "micro_batch_size": 2, "eval_every": 0}
     assert config["data"] == {"seq_len": 8192, "tokenizer": "./assets/hf/Llama-3.1-8B"}
     assert config["parallel"]["strategy"] == "hybrid_zero3" and config["parallel"]["hybrid_shard_size"] == 4
-    assert (config["parallel"]["tp"], config["parallel"]["activation_checkpoint"]) == (2, "selective")
+    assert (config["parallel"]["tp"], config["parallel"]["activation_checkpoint"]) == (2, "every_n")
+    assert config["parallel"]["activation_checkpoint_every"] == 2, 'selective_ac_option = "2": every 2nd block'
     assert config["checkpoint"] == {"every": 250, "keep_last": 5, "async": False}
     assert config["model"]["config"]["num_hidden_layers"] == 32, "the 8B flavor's sizes"
     assert [line.split(" = ")[0] for line in unmapped] == [
@@ -58,6 +59,21 @@ def test_a_torchtitan_toml(tmp_path, capsys):
     line = checked(tmp_path, capsys, 16)
     assert "dp_replicate 2 × dp_shard 4), tp 2" in line and "global batch 64 sequences × 8192 tokens" in line
     assert "1,000 steps" in line
+
+
+@pytest.mark.parametrize("section, expected", [
+    ('mode = "selective"\nselective_ac_option = "op"', {"activation_checkpoint": "selective"}),
+    ('mode = "selective"\nselective_ac_option = "3"', {"activation_checkpoint": "every_n",
+                                                        "activation_checkpoint_every": 3}),
+    ('mode = "selective"', {"activation_checkpoint": "every_n", "activation_checkpoint_every": 2}),  # its default
+    ('mode = "full"\nselective_ac_option = "3"', {"activation_checkpoint": "full"}),
+])
+def test_torchtitan_s_selective_checkpointing_is_op_level_or_every_n(tmp_path, section, expected):
+    """torchtitan's op-level mode is our `selective`; its every-N-th-block mode our `every_n`."""
+    path = tmp_path / "t.toml"
+    path.write_text(f"[activation_checkpoint]\n{section}\n")
+    parallel = convert(path).config["parallel"]
+    assert {k: v for k, v in parallel.items() if k.startswith("activation")} == expected
 
 
 def test_trl_training_arguments_with_their_deepspeed_json(tmp_path, capsys, monkeypatch):

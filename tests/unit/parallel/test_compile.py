@@ -29,7 +29,8 @@ SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 ARCHS = {"llama": SMALL, "qwen2": {**SMALL, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}}
 PACKED = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6, 7, 8]])
 LAYOUTS = {"plain": ("none", False), "checkpointed": ("full", False), "lora": ("none", True),
-           "lora+checkpointed": ("full", True)}
+           "lora+checkpointed": ("full", True), "selective": ("selective", False),
+           "lora+selective": ("selective", True)}
 
 
 class GraphCounter:
@@ -134,9 +135,10 @@ def test_blocks_with_flex_attention_compile_whole(input_ids):
     assert "flex_attention" in counter.targets
 
 
-def test_compiled_checkpointed_blocks_give_eager_gradients(input_ids):
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_compiled_checkpointed_blocks_give_eager_gradients(input_ids, checkpointing):
     eager, compiled = build("qwen2"), build("qwen2")
-    parallelize(compiled, "full", GraphCounter())
+    parallelize(compiled, checkpointing, GraphCounter())
     expected, got = step(eager, input_ids, PACKED), step(compiled, input_ids, PACKED)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):

@@ -73,7 +73,7 @@ def test_a_target_without_a_world_is_refused_in_one_line():
         target_for(config, TargetRequest(efficiency=0.5))
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective", "every_n"])
 def test_a_deep_model_planned_from_two_short_depths_matches_it_stepped_whole(monkeypatch, checkpointing):
     from clustertrain.plan import plan
     from clustertrain.resolve.run import resolve
