@@ -126,8 +126,9 @@ EXIT_PATHS = {
     "hang-76": (None, ["watchdog.heartbeat_s=0.5", "watchdog.step_timeout_s=2"], {FAULT_ENV: "collective@0:4=600"},
                 None, ExitCode.HUNG),
     "preempted-75": (None, [], {}, "SIGTERM", ExitCode.REQUEUE),
-    "lost-save-74": (None, ["checkpoint.every=4", "checkpoint.on_error=stop"], {}, "a file in the way",
-                     ExitCode.SAVE_FAILED),
+    # step 3 waits 5 s, so that the file is in the way before the save at step 4 starts
+    "lost-save-74": (None, ["checkpoint.every=4", "checkpoint.on_error=stop"], {FAULT_ENV: "collective@0:3=5"},
+                     "a file in the way", ExitCode.SAVE_FAILED),
     "diverged-3": (None, [DIVERGING_LR], {}, None, ExitCode.DIVERGED),
     "user-error-2": (None, ["data.shuffle_buffer=1"], {}, None, 2),
     "rank-killed": (None, [], {}, "SIGKILL", -signal.SIGKILL),
