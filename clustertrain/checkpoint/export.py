@@ -170,8 +170,8 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | i
     from clustertrain.lora import is_lora
 
     out_dir = Path(out_dir)
-    _refuse_non_empty(out_dir)
-    _refuse_checkpoints_folder(out_dir)
+    refuse_non_empty(out_dir)
+    refuse_checkpoints_folder(out_dir)
     ckpt = open_for_export(ckpt_dir)
     dtype = dtype or ckpt.train_dtype
     if isinstance(max_shard_size, str):
@@ -201,7 +201,7 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, max_shard_size: str | i
             write_portable_tokenizer_class(folder)
 
     try:
-        _publish(out_dir, write)
+        publish_folder(out_dir, write)
     except DamagedCheckpoint as e:  # a shard found unreadable as it was read
         raise with_hint(str(e), ckpt.path, resume=False) from None
     return out_dir
@@ -235,7 +235,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{hf_dir} is not a Hugging Face model directory (no config.json)")
-    _refuse_non_empty(out_dir)
+    refuse_non_empty(out_dir)
     _refuse_custom_code(hf_dir)
     try:
         model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=torch.float32,
@@ -264,7 +264,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        _publish(out_dir, write)
+        publish_folder(out_dir, write)
     return out_dir
 
 
@@ -299,12 +299,13 @@ def _refuse_custom_code(*folders: Path) -> None:
             raise CheckpointError(problem)
 
 
-def _refuse_non_empty(out_dir: Path) -> None:
+def refuse_non_empty(out_dir: Path) -> None:
+    """Refuse an output directory that holds anything: an export or import never mixes with older files."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise CheckpointError(f"{out_dir} already exists and is not empty; choose a new output directory")
 
 
-def _refuse_checkpoints_folder(out_dir: Path) -> None:
+def refuse_checkpoints_folder(out_dir: Path) -> None:
     """Refuse an export into a checkpoint or a run's checkpoints/ folder: it would be taken for a checkpoint, or
     removed as an interrupted one (its hidden `.tmp-step-N` sibling is the name of a save in flight)."""
     out = out_dir.resolve()
@@ -331,7 +332,7 @@ _NOT_WRITABLE = {errno.EACCES, errno.EPERM, errno.EROFS}  # the user's choice of
 _NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def _publish(out_dir: Path, write: Callable[[Path], None]) -> None:
+def publish_folder(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Run `write` on a hidden sibling folder, then rename it to `out_dir`: a kill never leaves half a result, and
     a directory that cannot be written or a full disk is one line, the partial result removed."""
     out_dir = out_dir.resolve()  # "." has no name to put beside it
@@ -371,3 +372,26 @@ def _follow_umask(folder: Path) -> None:
     os.umask(umask)
     for path in [folder, *folder.rglob("*")]:
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def check_can_push(repo: str) -> None:
+    """Refuse `--push-to-hub` before any work where it cannot succeed: offline (HF_HUB_OFFLINE), or a bad repo id."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise CheckpointError(f"--push-to-hub {repo}: HF_HUB_OFFLINE is set, so nothing can be uploaded; export "
+                              "without it and upload the folder where the network is reachable")
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise CheckpointError(f"--push-to-hub {repo!r}: give a Hugging Face repo id, NAMESPACE/NAME")
+
+
+def push_to_hub(folder: Path, repo: str) -> str:
+    """Upload `folder` to the Hugging Face model repo `repo` (created private if it does not exist); its URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo, private=True, exist_ok=True)
+        info = api.upload_folder(repo_id=repo, folder_path=folder, commit_message=f"clustertrain export {folder.name}")
+    except Exception as e:  # network, auth, permissions: the export itself is done and stays
+        raise CheckpointError(f"wrote {folder}, but uploading it to {repo} failed ({type(e).__name__}: "
+                              f"{first_line(e)}); upload it again with `hf upload {repo} {folder}`") from None
+    return info.commit_url

@@ -8,6 +8,7 @@ and a config converted from torchtitan, HF/TRL TrainingArguments (+ DeepSpeed) o
     clustertrain config keys parallel                                         # types, defaults, help
     clustertrain config convert llama3_8b.toml -o llama3_8b.yaml              # torchtitan
     clustertrain config convert sft_args.json ds_config.json -o sft.yaml       # TRL/HF + DeepSpeed
+    clustertrain config convert test_config_training.yaml -o stub.yaml         # the DDP/ZeRO training stub
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ def run_convert(args: argparse.Namespace) -> int:
         print(text, end="")
     for line in conversion.unmapped:
         print(f"not mapped: {one_line(line)}", file=sys.stderr)
+    for line in conversion.warnings:
+        print(f"warning: {one_line(line)}", file=sys.stderr)
     if args.out:
         print(f"wrote {args.out} ({len(conversion.unmapped)} key(s) not mapped); check it with: clustertrain config "
               f"check {args.out} --world N", file=sys.stderr)

@@ -3,6 +3,7 @@
     clustertrain plan configs/frontier-llama3-8b.yaml --nodes 64                 # the preset of its slurm section
     clustertrain plan configs/frontier-llama3-8b.yaml --nodes 640 --set parallel.tp=8 --json
     clustertrain plan configs/tiny-llama.yaml --world 4 --preset h100 --device-memory 40
+    clustertrain plan configs/opt-pp-lora-cpu.yaml --nodes 40                    # CPU nodes: slurm.tasks_per_node
     clustertrain plan configs/frontier-llama3-8b.yaml --nodes 64 --search --plot plan.png    # the best layouts
 """
 
@@ -34,7 +35,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--world", type=int, metavar="N", help="ranks in all (default: the config's slurm.nodes)")
     size.add_argument("--nodes", type=int, metavar="N", help="nodes, each with --gpus-per-node ranks")
-    parser.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (default: the preset's)")
+    parser.add_argument("--gpus-per-node", type=int, metavar="G", help="ranks per node (default: "
+                        "slurm.tasks_per_node, else the GPUs per node of the config or its preset, else 1 on CPU nodes)")
     parser.add_argument("--preset", metavar="NAME", help="the hardware: a preset with a hardware section "
                         "(frontier, perlmutter, h100, a100, or a file; default: the config's slurm.preset)")
     parser.add_argument("--device-memory", type=float, metavar="GB", help="device memory per rank, GB (above 0)")
@@ -62,10 +64,7 @@ def run_plan(args: argparse.Namespace) -> int:
     check_numbers(args)
     config = load_checked_config(args.config, args.set)
     preset = load_preset(args.preset or config.slurm.preset)
-    per_node = args.gpus_per_node
-    if per_node is None and config.slurm.gpus_per_node is None and preset.gpus_per_node:
-        per_node = preset.gpus_per_node
-    request = TargetRequest(world=args.world, nodes=args.nodes, ranks_per_node=per_node,
+    request = TargetRequest(world=args.world, nodes=args.nodes, ranks_per_node=ranks_per_node(args, config, preset),
                             device_memory_gb=args.device_memory, peak_tflops=args.peak_tflops,
                             efficiency=args.efficiency)
     target = target_for(config, request, preset.hardware)
@@ -86,6 +85,20 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"plan: {name}")
         print(plan_table(plan))
     return 0 if plan.fits else 1
+
+
+def ranks_per_node(args: argparse.Namespace, config, preset) -> int | None:
+    """--gpus-per-node, else the ranks per node of the config's slurm section and preset as `config check --nodes`
+    reads them (slurm.tasks_per_node, else one rank per GPU, else 1 on a CPU node). With --world, only what those
+    state: None (the whole world on one node, as `train --nproc N` runs it) where they state nothing."""
+    from clustertrain.launch.slurm import job_spec
+
+    if args.gpus_per_node is not None:
+        return args.gpus_per_node
+    slurm = config.slurm
+    if args.world is not None and not (slurm.tasks_per_node or slurm.gpus_per_node or preset.gpus_per_node):
+        return None
+    return job_spec(slurm, preset).tasks_per_node
 
 
 def check_numbers(args: argparse.Namespace) -> None:

@@ -30,17 +30,19 @@ _FORMAT_NAMES = {"torchtitan": "torchtitan TOML", "hf": "HF/TRL TrainingArgument
 @dataclass
 class Conversion:
     """A converted config: `config` holds only the keys mapped, nested; `unmapped` one line per key not;
-    `inputs` the files read (which an output must never replace)."""
+    `warnings` one line per key present but inert in its own trainer; `inputs` the files read (which an output
+    must never replace)."""
 
     source: str
     config: dict[str, Any] = field(default_factory=dict)
     unmapped: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
     inputs: list[Path] = field(default_factory=list)
 
     def to_yaml(self, origin: str) -> str:
-        """The config as YAML, headed by where it came from and followed by the keys not mapped, as comments."""
+        """The config as YAML, headed by where it came from, the keys not mapped and the warnings, as comments."""
         lines = [f"converted from {origin} ({_FORMAT_NAMES[self.source]}) by `clustertrain config convert`"]
-        lines += [f"not mapped: {line}" for line in self.unmapped]
+        lines += [f"not mapped: {line}" for line in self.unmapped] + [f"warning: {line}" for line in self.warnings]
         return "".join(f"# {one_line(line)}\n" for line in lines) + yaml.safe_dump(self.config, sort_keys=False)
 
 
@@ -55,7 +57,8 @@ _UNSAFE = {"Cc", "Cf", "Zl", "Zp", "Cs"}  # YAML's line breaks (\n \r \x85 \u202
 
 
 def convert(path: str | Path, deepspeed: str | Path | None = None, source: str | None = None) -> Conversion:
-    """Convert the config at `path` (and a DeepSpeed JSON) into a clustertrain config, checked by the schema.
+    """Convert the config at `path` (and a DeepSpeed JSON) into a clustertrain config, checked by the schema (its
+    paths' $VARIABLES must be set, as for any config; the config keeps them as written).
 
     Args:
         path: a torchtitan .toml, TrainingArguments .json/.yaml, or training stub .yaml.
@@ -87,6 +90,8 @@ def convert(path: str | Path, deepspeed: str | Path | None = None, source: str |
         conversion.unmapped += [f"{Path(deepspeed).name}: {line}" for line in ds_lines]
         flat = {**flat, **{f"deepspeed:{k}": v for k, v in ds_flat.items()}}
     FINISH[conversion.source](flat, targets, conversion.unmapped)
+    if source == "hf":
+        conversion.warnings += inert_lora(flat)
     conversion.config = _nested(targets)
     try:
         validate(conversion.config)
@@ -122,17 +127,19 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 def detect_format(path: Path, data: dict[str, Any]) -> str:
-    """torchtitan for a TOML; TrainingArguments or the stub by their keys for JSON and YAML."""
+    """torchtitan for a TOML; for JSON and YAML, the stub by its sections (TrainingArguments are flat, but for
+    lr_scheduler_kwargs), TrainingArguments or a DeepSpeed JSON by their keys."""
     if path.suffix == ".toml":
         return "torchtitan"
     keys = set(data)
-    if keys & tables.STUB_MARKERS and path.suffix != ".json":
+    sections = {key for key, value in data.items() if isinstance(value, dict)}
+    if sections & tables.STUB_SECTIONS and path.suffix != ".json":
         return "stub"
     if keys & (tables.HF_MARKERS | tables.DEEPSPEED_MARKERS) or path.suffix == ".json":
         return "hf"
     raise ConfigError(f"{path}: neither TrainingArguments keys ({', '.join(sorted(tables.HF_MARKERS)[:4])}, ...) nor "
-                      f"the training stub's ({', '.join(sorted(tables.STUB_MARKERS)[:4])}, ...); name the format "
-                      "with --from")
+                      f"the training stub's sections ({', '.join(sorted(tables.STUB_SECTIONS)[:4])}, ...); name the "
+                      "format with --from")
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -148,10 +155,13 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _apply(rules: dict[str, Any], flat: dict[str, Any], unmapped: list[str]) -> dict[str, Any]:
     """Each source key through its rule: a target key (the value copied) or a function of the value that returns
-    target keys and values (or raises Unmapped with the reason); a key with no rule is unmapped."""
+    target keys and values (or raises Unmapped with the reason); a key with no rule is unmapped. A rule under
+    `section.*` takes every key of that section that has none of its own."""
     targets: dict[str, Any] = {}
     for key, value in flat.items():
-        rule = rules.get(key)
+        parts = key.split(".")
+        wildcards = (".".join(parts[:i]) + ".*" for i in range(len(parts) - 1, 0, -1))  # the longest first
+        rule = rules.get(key) or next((rules[w] for w in wildcards if w in rules), None)
         try:
             if rule is None:
                 raise Unmapped("no clustertrain key for it")
@@ -262,22 +272,28 @@ def finish_hf(flat: dict[str, Any], targets: dict[str, Any], unmapped: list[str]
 
 
 def finish_stub(flat: dict[str, Any], targets: dict[str, Any], unmapped: list[str]) -> None:
-    """The strategy of sharding_stage and zero3_hybrid, min_lr as a ratio, batch_size as the batch per rank."""
-    stage, hybrid = flat.get("sharding_stage"), flat.get("zero3_hybrid", False)
-    if stage is not None or hybrid:
-        try:
-            targets["parallel.strategy"] = strategy_of_stage(3 if stage is None else stage, hybrid)
-        except ValueError as e:
-            unmapped.append(str(e))
-    if "lr_scheduler.min_lr" in flat:
-        _min_lr(flat["lr_scheduler.min_lr"], targets, unmapped, "lr_scheduler.min_lr")
-    decay = flat.get("lr_scheduler.decay_iterations")
-    if decay is not None and decay != targets.get("train.steps"):
-        unmapped.append(f"lr_scheduler.decay_iterations = {decay}: clustertrain decays over the whole run "
-                        f"(train.steps = {targets.get('train.steps')})")
-    if "train.global_batch_size" not in targets and "train.micro_batch_size" in targets:
-        targets.setdefault("train.grad_accum", 1)  # batch_size per rank, the DDP way
-    _betas(targets, (0.9, 0.95))
+    """model.hf_config as model.config, batch_size as the batch per rank, and the run directory
+    <directory>/<prefix>, where the stub writes its <prefix>.<timestamp> checkpoints."""
+    hf_config: dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith("model.hf_config.") and key != "model.hf_config.model_type":
+            set_dotted(hf_config, key.removeprefix("model.hf_config."), value)
+    if hf_config:
+        targets["model.config"] = hf_config
+    if "train.micro_batch_size" in targets:
+        targets["train.grad_accum"] = 1
+    directory, prefix = flat.get("checkpoint.directory"), flat.get("checkpoint.prefix")
+    if directory is not None or prefix is not None:
+        targets["train.run_dir"] = "/".join(str(part) for part in (directory, prefix) if part is not None)
+
+
+def inert_lora(flat: dict[str, Any]) -> list[str]:
+    """TRL's lora_* keys, which TRL ignores unless use_peft is true: one line saying so."""
+    inert = [key for key in flat if key.startswith("lora_")]
+    if not inert or flat.get("use_peft"):
+        return []
+    return [f"{', '.join(inert)}: inert without use_peft: true (TRL then trains every weight, and so does this "
+            "config); add use_peft: true to train LoRA adapters"]
 
 
 FINISH = {"torchtitan": finish_torchtitan, "hf": finish_hf, "stub": finish_stub}

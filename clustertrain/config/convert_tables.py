@@ -42,12 +42,16 @@ def unmapped(why: str) -> Callable[[Any], dict[str, Any]]:
     return rule
 
 
-def model_source(value: Any) -> dict[str, Any]:
-    """A local directory (a path that starts with /, . or ~, or has more than one /) is model.path; anything
-    else (`gpt2`, `Qwen/Qwen2.5-0.5B`) a hub id."""
+def is_path(value: Any) -> bool:
+    """Whether a model or dataset name is a local path: it starts with /, ., ~ or $ (`$SCRATCH_ROOT/...`), or has
+    more than one /; anything else (`gpt2`, `Qwen/Qwen2.5-0.5B`) is a hub id."""
     text = str(value)
-    local = text.startswith(("/", ".", "~")) or text.count("/") > 1
-    return {"model.path" if local else "model.hub_id": text}
+    return text.startswith(("/", ".", "~", "$")) or text.count("/") > 1
+
+
+def model_source(value: Any) -> dict[str, Any]:
+    """model.path for a local directory (is_path), else model.hub_id."""
+    return {"model.path" if is_path(value) else "model.hub_id": str(value)}
 
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "fp32": "float32",
@@ -119,9 +123,24 @@ TORCHTITAN: dict[str, Any] = {
     "validation.freq": "train.eval_every",
     "validation.steps": positive("train.eval_batches"),
 }
-# older torchtitan kept the degrees in [training]
+# Older torchtitan (early 2025, as the Frontier fork's train_configs/*.toml): the degrees, warmup and batch in
+# [training], pipeline and context degrees in [experimental], the tokenizer as a file in [model].
 TORCHTITAN.update({f"training.{key.split('.')[1]}": rule for key, rule in TORCHTITAN.items()
                    if key.startswith("parallelism.")})
+TORCHTITAN.update({
+    "training.warmup_steps": "optim.warmup_steps",
+    "experimental.pipeline_parallel_degree": "parallel.pp",
+    "experimental.pipeline_parallel_schedule": choice("parallel.pp_schedule", PP_SCHEDULES),
+    "experimental.context_parallel_degree": NO_CP,
+    "model.norm_type": accepted("rmsnorm", "fused_rmsnorm", why="clustertrain builds the HF model as it is, whose "
+                                "Llama norm is RMSNorm"),
+    "model.tokenizer_path": unmapped("a tiktoken tokenizer.model; give data.tokenizer an HF tokenizer folder "
+                                     "(tokenizer.json, as the HF snapshot holds)"),
+    "checkpoint.interval_type": accepted("steps", why="clustertrain saves every checkpoint.every steps"),
+    "checkpoint.model_weights_only": accepted(False, why="clustertrain's checkpoints hold what a resume needs; "
+                                              "`clustertrain export` writes the weights alone"),
+    "float8.enable_float8_linear": accepted(False, why="no float8 training in clustertrain"),
+})
 
 HF: dict[str, Any] = {
     "run_name": "name",
@@ -166,7 +185,7 @@ HF: dict[str, Any] = {
     "max_length": "data.seq_len",
     "packing": accepted(True, why="clustertrain always packs examples into full sequences"),
     "dataset_text_field": "data.sources.0.field",
-    "dataset_name": "data.sources.0.hf_name",
+    "dataset_name": lambda v: {"data.sources.0.path" if is_path(v) else "data.sources.0.hf_name": v},
     "dataset_config": "data.sources.0.hf_config",
     "dataset_train_split": "data.sources.0.split",
     "use_peft": lambda v: {},  # with lora_r: FINISH
@@ -207,72 +226,40 @@ DEEPSPEED: dict[str, Any] = {
     "tensorboard.enabled": "metrics.tensorboard",
 }
 
+# The training stub's YAML as its documentation prints it (sections dist, dataset, model, optim, lr_scheduler,
+# checkpoint); batch_size is per rank (the DDP way), and checkpoints go to <directory>/<prefix>.<timestamp>.
+STUB_STRATEGIES = {"zero0": "ddp", "zero2": "zero2", "zero3": "zero3", "zero2_hybrid": "hybrid_zero2",
+                   "zero3_hybrid": "hybrid_zero3"}
 STUB: dict[str, Any] = {
-    "sharding_stage": lambda v: {},  # with zero3_hybrid: FINISH
-    "zero3_hybrid": lambda v: {},
-    "hybrid_shard_size": "parallel.hybrid_shard_size",
-    "tensor_parallel_size": "parallel.tp",
-    "model.name_or_path": model_source,
-    "model.path": model_source,
-    "model_name_or_path": model_source,
-    "model.arch": "model.arch",
-    "dataset.path": "data.sources.0.path",
-    "dataset.name": "data.sources.0.hf_name",
-    "dataset.text_field": "data.sources.0.field",
-    "dataset.seq_len": "data.seq_len",
-    "dataset.block_size": "data.seq_len",
-    "seq_len": "data.seq_len",
-    "block_size": "data.seq_len",
-    "dataset.tokenizer": "data.tokenizer",
-    "tokenizer": "data.tokenizer",
+    "dist.cpu_only": lambda v: {"parallel.device": "cpu"} if v else {},
+    "dist.backend": choice("parallel.backend", {"nccl": None, "gloo": "gloo"},
+                           why="clustertrain runs nccl (RCCL on ROCm) on GPUs and gloo on CPU"),
+    "dist.dtype": choice("parallel.param_dtype", DTYPES),
+    "dist.sharding_stage": choice("parallel.strategy", STUB_STRATEGIES,
+                                  why="use zero0 (ddp), zero2, zero3, zero2_hybrid or zero3_hybrid; zero2 is the "
+                                  "nearest to zero1 (ZeRO-1 shards only optimizer states)"),
+    "dataset.batch_size": "train.micro_batch_size",
     "dataset.num_workers": "data.num_workers",
-    "batch_size": "train.micro_batch_size",
-    "micro_batch_size": "train.micro_batch_size",
-    "global_batch_size": "train.global_batch_size",
-    "grad_accum": "train.grad_accum",
-    "gradient_accumulation_steps": "train.grad_accum",
-    "max_iterations": "train.steps",
-    "train_iters": "train.steps",
-    "max_iters": "train.steps",
-    "lr": "optim.lr",
-    "learning_rate": "optim.lr",
-    "lr_scheduler.max_lr": "optim.lr",
-    "lr_scheduler.lr": "optim.lr",
-    "lr_scheduler.min_lr": lambda v: {},  # a value, not a ratio: FINISH
+    "dataset.path_train": "data.sources.0.path",
+    "dataset.path_eval": "data.eval_sources.0.path",
+    "model.hf_config.model_type": "model.arch",
+    "model.hf_config.*": lambda v: {},  # all of them as model.config: FINISH
+    "optim.lr": "optim.lr",
+    "optim.weight_decay": "optim.weight_decay",
+    "lr_scheduler.total_iterations": "train.steps",
     "lr_scheduler.warmup_iterations": "optim.warmup_steps",
-    "lr_scheduler.warmup_iters": "optim.warmup_steps",
-    "lr_scheduler.type": choice("optim.schedule", SCHEDULES),
-    "lr_scheduler.name": choice("optim.schedule", SCHEDULES),
-    "lr_scheduler.decay_iterations": lambda v: {},  # compared with the steps: FINISH
-    "weight_decay": "optim.weight_decay",
-    "beta1": "optim.betas.0",
-    "beta2": "optim.betas.1",
-    "grad_clip": "optim.grad_clip",
-    "gradient_clipping": "optim.grad_clip",
-    "max_grad_norm": "optim.grad_clip",
-    "seed": "train.seed",
-    "dtype": choice("parallel.param_dtype", DTYPES),
-    "precision": choice("parallel.param_dtype", DTYPES),
-    "mixed_precision": choice("parallel.param_dtype", DTYPES),
-    "activation_checkpointing": lambda v: {"parallel.activation_checkpoint": "full" if v else "none"},
-    "gradient_checkpointing": lambda v: {"parallel.activation_checkpoint": "full" if v else "none"},
-    "compile": "parallel.compile",
-    "chkpt_saving_iterations": "checkpoint.every",
-    "chkpt_dir": "train.run_dir",
-    "output_dir": "train.run_dir",
-    "out_dir": "train.run_dir",
-    "keep_last_n_checkpoints": "checkpoint.keep_last",
-    "log_interval": "metrics.log_every",
-    "logging_iterations": "metrics.log_every",
-    "eval_interval": "train.eval_every",
-    "eval_iterations": "train.eval_batches",
+    "checkpoint.state_dict_type": accepted("sharded", why="clustertrain saves sharded checkpoints (each rank its "
+                                           "shard, resumable on any rank count); `clustertrain export` writes the "
+                                           "full weights"),
+    "checkpoint.chkpt_saving_iterations": "checkpoint.every",
+    "checkpoint.directory": lambda v: {},  # with the prefix, the run directory: FINISH
+    "checkpoint.prefix": "name",
 }
 
 RULES = {"torchtitan": TORCHTITAN, "hf": HF, "deepspeed": DEEPSPEED, "stub": STUB}
 HF_MARKERS = {"learning_rate", "per_device_train_batch_size", "num_train_epochs", "max_steps", "lr_scheduler_type",
               "save_steps", "max_seq_length", "max_length"}
-STUB_MARKERS = {"sharding_stage", "zero3_hybrid", "lr_scheduler", "chkpt_saving_iterations", "dataset",
-                "max_iterations", "train_iters"}
+STUB_SECTIONS = {"dist", "dataset", "model", "optim", "lr_scheduler", "checkpoint"}  # mappings, in the stub
 DEEPSPEED_MARKERS = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "gradient_clipping"}
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, model_validator
 
-from clustertrain.config.section import Section
+from clustertrain.config.section import ConfigPath, Section
 
 SOURCE_FORMATS = ("auto", "text", "jsonl", "json", "csv", "parquet", "arrow", "hf_disk", "hf", "tokens", "stdlib")
 # Formats of files, told by their extensions (clustertrain.data.sources.FILE_READERS); the others are a choice,
@@ -23,7 +23,7 @@ TextUnit = Annotated[Literal["file", "paragraph", "line"],
 
 
 class SourceConfig(Section):
-    path: str | None = Field(None, description="A file, a directory of shards, a glob, or a folder `clustertrain stage "
+    path: ConfigPath | None = Field(None, description="A file, a directory of shards, a glob, or a folder `clustertrain stage "
                              "dataset` wrote (its complete manifest lists the shards).")
     hf_name: str | None = Field(None, description="A Hugging Face dataset name, read from the local HF cache "
                                 "(offline).")
@@ -97,7 +97,7 @@ class DataConfig(Section):
     )
     audit: bool = Field(False, description="Append every global batch's sample fingerprints to samples.jsonl.")
     num_workers: int = Field(1, ge=0, description="Tokenizing worker processes per rank (0: in the training process).")
-    tokenizer: str | None = Field(
+    tokenizer: ConfigPath | None = Field(
         None, description="HF tokenizer directory; empty: train a byte-level BPE on the sources and cache it."
     )
     vocab_size: int = Field(4096, ge=300, description="Vocabulary size of a tokenizer trained locally.")
@@ -110,7 +110,7 @@ class DataConfig(Section):
         None, min_length=1, description="A separate held-out set, read whole by evaluation (entries as in sources); "
         "data.sources are then not split, and eval_fraction is not used.",
     )
-    cache_dir: str | None = Field(None, description="Tokenizer and index caches; default ~/.cache/clustertrain.")
+    cache_dir: ConfigPath | None = Field(None, description="Tokenizer and index caches; default ~/.cache/clustertrain.")
 
     @property
     def packed_documents(self) -> bool:

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from clustertrain.config.section import Section
+from clustertrain.config.section import ConfigPath, Section
 
 
 class WandbConfig(Section):
@@ -22,7 +22,7 @@ class WandbConfig(Section):
     entity: str | None = Field(None, description="The W&B team or user (default: the logged-in user's).")
     name: str | None = Field(None, description="The W&B run's display name (default: the run's name).")
     tags: tuple[str, ...] = Field((), description="Tags of the W&B run.")
-    dir: str | None = Field(None, description="The folder W&B writes its wandb/ folder into (default: the run "
+    dir: ConfigPath | None = Field(None, description="The folder W&B writes its wandb/ folder into (default: the run "
                             "directory).")
 
 

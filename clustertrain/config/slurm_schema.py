@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from clustertrain.config.secrets import SECRET_NAME
-from clustertrain.config.section import Section
+from clustertrain.config.section import ConfigPath, Section
 
 SLURM_TIME_FORMS = "MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"  # sbatch --time
 # Time limits, kept as written and read by one parser (parse_slurm_time): slurm.time (a number is minutes, as in
@@ -82,7 +82,7 @@ def control_character(value: str) -> str | None:
 
 
 class SlurmConfig(Section):
-    preset: str = Field(
+    preset: ConfigPath = Field(
         "generic", description="Cluster preset: frontier, perlmutter, h100, a100, generic, or the path of your own "
         "preset YAML (modules, environment, GPUs per node, scratch root; see docs/slurm.md)."
     )
@@ -105,7 +105,7 @@ class SlurmConfig(Section):
     job_name: str | None = Field(
         None, description=f"Job name, at most {JOB_NAME_MAX} printable characters; default: the run name."
     )
-    output: str | None = Field(None, description="Job log path (%j = job id); default <run_dir>/slurm/%j.out.")
+    output: ConfigPath | None = Field(None, description="Job log path (%j = job id); default <run_dir>/slurm/%j.out.")
     signal_before: int = Field(
         300, ge=10, description="Seconds before the time limit that Slurm sends USR1 (--signal=B:USR1@N): the run "
         "saves and stops, then is requeued. Allow for one step plus one checkpoint."

@@ -42,7 +42,8 @@ class Target:
 
 def target_for(config: RunConfig, request: TargetRequest, hardware=None, device_type: str = "cpu") -> Target:
     """The target of a plan from `request` and a preset's `hardware` (launch.presets.Hardware), else this node's
-    `device_type` ("cuda": its first GPU's name and memory, nominal links; "cpu": this machine).
+    `device_type` ("cuda": its first GPU's name and memory, nominal links; "cpu": this machine standing for one
+    node, its memory and measured peak shared by the ranks of a node, never by the whole world).
 
     Raises:
         UserError: neither a world nor nodes with ranks per node, or one below 1.
@@ -108,4 +109,4 @@ def _peak(given_tflops: float | None, known: Accelerator | None, gpu, dtype: str
 
     from clustertrain.model.estimate import measure_cpu_peak
 
-    return measure_cpu_peak(getattr(torch, dtype)) / per_node
+    return measure_cpu_peak(getattr(torch, dtype)) / per_node  # a node's ranks split its cores

@@ -14,7 +14,7 @@ from clustertrain.launch.jobs import read_chain
 from clustertrain.run_dir import RunDir
 
 pytestmark = [pytest.mark.dist, pytest.mark.slurm]
-STEPS = 3000  # about 60 s of training on 2 idle cores: still training when the USR1 sent at step 100 arrives
+STEPS = 1200  # about 25 s of training on 2 idle cores: still training when the USR1 sent at step 100 arrives
 
 
 @pytest.fixture(scope="module")

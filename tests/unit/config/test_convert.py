@@ -1,6 +1,6 @@
 """`clustertrain config convert`: torchtitan, TRL/HF + DeepSpeed and training stub configs become clustertrain
 configs that `config check` accepts, with their lr, steps, sequence length, batch, strategy and checkpoint
-interval, and every key not mapped named."""
+interval, and every key not mapped named. The documents' own files, trained: test_convert_documents.py."""
 
 from __future__ import annotations
 
@@ -111,24 +111,6 @@ def test_explicit_deepspeed_values_win_over_training_arguments(tmp_path):
     assert (config.train.micro_batch_size, config.train.grad_accum, config.train.steps) == (2, 16, 2000)
     assert (config.optim.lr, config.optim.betas, config.optim.grad_clip) == (1e-4, (0.9, 0.98), 0.5)
     assert (config.optim.schedule, config.optim.warmup_steps) == ("linear", 100)
-
-
-def test_a_stub_yaml(tmp_path, capsys, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    write_model(tmp_path / "models" / "llama-1b", "llama", 4096)
-    config, unmapped = converted(tmp_path, capsys, "stub_zero3_hybrid.yaml")
-    assert config["optim"]["lr"] == 3e-4 and config["optim"]["min_lr_ratio"] == pytest.approx(0.1)
-    assert config["optim"]["warmup_steps"] == 500
-    assert config["train"]["steps"] == 5000
-    assert (config["train"]["micro_batch_size"], config["train"]["grad_accum"]) == (4, 8)
-    assert config["data"]["seq_len"] == 4096
-    assert config["data"]["sources"] == [{"path": "/lustre/orion/proj/data/fineweb-tokens"}]
-    assert config["parallel"]["strategy"] == "hybrid_zero3"
-    assert config["checkpoint"] == {"every": 1000}
-    assert unmapped == ["dataset.shuffle = true: no clustertrain key for it",
-                        'wandb_project = "llama-1b-frontier": no clustertrain key for it']
-    line = checked(tmp_path, capsys, 16)
-    assert "micro batch 4 × grad accum 8" in line and "5,000 steps" in line
 
 
 def test_the_stub_s_keys_load_as_they_are(tmp_path):

@@ -53,8 +53,8 @@ def write_inputs(kind: str, tmp, marker: str) -> list[str]:
         (tmp / "t.toml").write_text("\n".join(lines) + "\n")
         return [str(tmp / "t.toml")]
     assert kind == "stub"
-    (tmp / "stub.yaml").write_text(yaml.safe_dump({"max_iterations": 5, "lr": 1e-3,
-                                                   "lr_scheduler": {"min_lr": value}, **keys}))
+    (tmp / "stub.yaml").write_text(yaml.safe_dump({"lr_scheduler": {"total_iterations": 5}, "optim": {"lr": 1e-3},
+                                                   "checkpoint": {"state_dict_type": value}, **keys}))
     return [str(tmp / "stub.yaml")]
 
 
