@@ -248,6 +248,7 @@ def _lm(model, tokenizer, batch_size: int, add_bos: bool, together: bool, autoca
     from lm_eval.models.huggingface import HFLM
 
     from clustertrain.distributed.collectives import all_gather, broadcast
+    from clustertrain.model.loss import full_logits
 
     class ClustertrainLM(HFLM):
         """HFLM assumes a single process unless accelerate launched it: here the process group decides."""
@@ -260,6 +261,9 @@ def _lm(model, tokenizer, batch_size: int, add_bos: bool, together: bool, autoca
 
         def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
             return all_gather(tensor) if self.world_size > 1 else tensor
+
+        def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+            return full_logits(super()._model_call(inps, attn_mask, labels))  # a tp-split head's, gathered
 
         def barrier(self) -> None:
             if self.world_size > 1:
@@ -284,13 +288,15 @@ def _greedy_together(model, ids, mask, max_length: int, eos: int, pad: int, dtyp
     the same tokens and stop together, so their sharded forwards stay paired (HF's `generate` would not)."""
     import torch
 
+    from clustertrain.model.loss import full_logits
+
     mask = torch.ones_like(ids) if mask is None else mask.to(ids.device)
     done = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
     with torch.no_grad(), torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
         while ids.shape[1] < max_length and not done.all():
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            choice = broadcast(logits[:, -1].argmax(-1)).to(ids.device)
+            choice = broadcast(full_logits(logits[:, -1]).argmax(-1)).to(ids.device)
             choice = torch.where(done, torch.full_like(choice, pad), choice)
             ids = torch.cat([ids, choice[:, None]], dim=1)
             mask = torch.cat([mask, (~done).to(mask.dtype)[:, None]], dim=1)

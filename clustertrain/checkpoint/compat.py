@@ -11,9 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# A tokenizer class every release has: the tokenizers-library backed one (transformers 5 aliases it).
-PORTABLE_TOKENIZER = "PreTrainedTokenizerFast"
-_V5_ONLY_TOKENIZERS = {None, "TokenizersBackend"}
+from clustertrain.data.tokenize import PORTABLE_TOKENIZER, names_a_v5_only_class
 
 
 def legacy_config_keys(config: dict[str, Any]) -> dict[str, Any]:
@@ -44,9 +42,7 @@ def write_legacy_config(folder: Path) -> None:
 def write_portable_tokenizer_class(folder: Path) -> None:
     """Name a class every release has in `folder/tokenizer_config.json`, if transformers 5 wrote one only it has."""
     file = folder / "tokenizer_config.json"
-    if not file.is_file() or not (folder / "tokenizer.json").is_file():
-        return  # a slow (sentencepiece) tokenizer keeps its own class
-    config = json.loads(file.read_text())
-    if config.get("tokenizer_class") in _V5_ONLY_TOKENIZERS:
+    if names_a_v5_only_class(folder):
+        config = json.loads(file.read_text())
         config["tokenizer_class"] = PORTABLE_TOKENIZER
         file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")

@@ -43,6 +43,7 @@ from clustertrain.config.data_schema import DataConfig
 from clustertrain.config.load import dump_config, load_config, validate
 from clustertrain.config.remote_code import custom_code
 from clustertrain.config.schema import RunConfig
+from clustertrain.data.tokenize import open_tokenizer
 from clustertrain.errors import CheckpointError, ExitCode, first_line
 from clustertrain.files import write_atomic
 from clustertrain.model.build import build_hf_config, build_meta_model
@@ -112,7 +113,7 @@ def open_for_export(ckpt_dir: str | Path) -> Checkpoint:
     _refuse_custom_code(path / "tokenizer", path / "model")
     tokenizer = None
     if (path / "tokenizer").is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(path / "tokenizer", local_files_only=True, trust_remote_code=False)
+        tokenizer = open_tokenizer(path / "tokenizer")  # saved by the run, under either transformers major
     if config.model.pretrained:  # the snapshot's HF config, saved with the checkpoint: no snapshot needed
         hf_config = AutoConfig.from_pretrained(path / "model", local_files_only=True, trust_remote_code=False)
     else:  # An imported model pins its vocab_size, which may be below data.vocab_size's floor.

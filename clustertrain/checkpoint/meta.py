@@ -14,7 +14,6 @@ along the dimension its layer is parallel in (output rows, or input columns for 
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import shutil
 from dataclasses import asdict, dataclass
@@ -26,7 +25,7 @@ from transformers import LlamaConfig
 
 from clustertrain.checkpoint.compat import legacy_config_keys
 from clustertrain.errors import CheckpointError, first_line
-from clustertrain.model.weights import refusal
+from clustertrain.model.weights import read_pth
 
 PARAMS = "params.json"
 TOKENIZER_MODEL = "tokenizer.model"
@@ -120,19 +119,6 @@ def read_params(file: Path) -> MetaParams:
         raise CheckpointError(f"{file}: dim {params.dim}, n_heads {params.n_heads} and n_kv_heads {params.kv_heads} "
                               "do not divide into whole heads")
     return params
-
-
-def read_pth(file: Path) -> dict[str, torch.Tensor]:
-    """A `.pth`/`.pt` state dict, memory-mapped and weights-only: one line if it holds code or anything but tensors."""
-    try:
-        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{file} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
-    except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{file} is not a readable PyTorch weights file ({first_line(e)})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise CheckpointError(f"{file} holds no state dict of tensors and was not loaded")
-    return state
 
 
 def read_consolidated(folder: Path, params: MetaParams) -> dict[str, torch.Tensor]:

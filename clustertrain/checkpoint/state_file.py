@@ -3,7 +3,7 @@
     clustertrain config convert test_config_training.yaml -o run.yaml
     clustertrain import experiments/chkpts/dummy-0.1.2024-06-01 models/stub --config run.yaml
 
-The file is read with `torch.load(weights_only=True)` only (`meta.read_pth`): tensors, never code. It holds no
+The file is read with `torch.load(weights_only=True)` only (`model.weights.read_pth`): tensors, never code. It holds no
 model config, so the run config that trained it (or its conversion) gives the model; every tensor is checked
 against that model by name and shape before anything is written. The prefixes that DDP (`module.`), FSDP
 (`_fsdp_wrapped_module.`) and torch.compile (`_orig_mod.`) put before the model's own names are taken off.
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clustertrain.checkpoint.meta import read_pth
+from clustertrain.model.weights import read_pth
 from clustertrain.errors import CheckpointError
 
 STATE_FILE = "model_state_dict.pt"

@@ -18,7 +18,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    from clustertrain.data.audit import audit_report, expected_samples, problem_lines, read_audit
+    from clustertrain.data.audit import audit_report, expected_samples, problem_lines, read_audit, read_starts
     from clustertrain.errors import UserError
     from clustertrain.resolve.load import load_checked_config
     from clustertrain.run_dir import RunDir
@@ -31,7 +31,7 @@ def run_audit(args: argparse.Namespace) -> int:
     expected = None
     if not args.no_replay:
         config = load_checked_config(run.config)
-        expected = expected_samples(config, max(recorded, default=0))
+        expected = expected_samples(config, max(recorded, default=0), read_starts(samples))
     report = audit_report(recorded, expected)
     if args.json:
         print(json.dumps(report, indent=1))

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
 
 # ParallelConfig fields that describe the layout. The reference resets each one the schema has to its default.
-LAYOUT_KEYS = ("tp", "pp", "dp_shard", "dp_replicate", "hybrid_shard_size")
+LAYOUT_KEYS = ("tp", "sequence_parallel", "pp", "dp_shard", "dp_replicate", "hybrid_shard_size")
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -91,6 +91,11 @@ class DataConfig(Section):
     shuffle_buffer: int = Field(
         1024, ge=1, description="Documents are shuffled within consecutive windows of this many (1: no shuffle)."
     )
+    reshuffle_on_resume: bool = Field(
+        False, description="Each resume draws a new order over the documents not yet read in the current epoch "
+        "(none repeated or left out), under a seed derived from data.seed and the position; a changed data.seed "
+        "is then accepted at resume.",
+    )
     doc_masking: bool = Field(False, description="Attention does not cross document boundaries inside a sequence.")
     on_bad_data: Literal["error", "skip"] = Field(
         "error", description="A malformed record stops the run with its file and line, or is skipped and counted."

@@ -37,6 +37,7 @@ class ModelShape:
 
     Attributes:
         tp_problem, pp_problem: why the architecture cannot be split by parallel.tp or parallel.pp, or None.
+        sp_problem: why it cannot run parallel.sequence_parallel (its family declares no norms), or None.
     """
 
     model_type: str
@@ -45,6 +46,7 @@ class ModelShape:
     layers: int | None
     tp_problem: str | None = None
     pp_problem: str | None = None
+    sp_problem: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Layout:
     micro_batch: int  # sequences per forward on one rank (per pipeline microbatch under pp)
     grad_accum: int  # forwards per rank per step: micro-batches, or pipeline microbatches under pp
     wrapper: Literal["fsdp", "ddp"] | None  # what wraps each model part for data parallelism (wrapper_for)
+    sequence_parallel: bool = False  # parallel.sequence_parallel settled (sequence_parallel_for)
 
     def __post_init__(self) -> None:
         assert tuple(self.degrees) == DIMS, f"a layout has a degree for each of {DIMS}, in order: {self.degrees}"
@@ -78,19 +81,22 @@ class Layout:
         return math.prod(self.degrees[dim] for dim in DATA_PARALLEL)
 
     def describe(self, seq_len: int) -> str:
-        """One line: the degrees and the batch arithmetic (micro × accumulation × dp ranks = global batch)."""
+        """One line: the degrees, the batch arithmetic (micro × accumulation × dp ranks = global batch), and
+        whether the sequence is split over tp."""
         accum = "pipeline microbatches" if self.degree("pp") > 1 else "grad accum"
         data = " × ".join(f"{dim} {self.degrees[dim]}" for dim in DATA_PARALLEL)
         others = "".join(f", {dim} {n}" for dim, n in reversed(self.degrees.items())
                          if dim not in DATA_PARALLEL and (n > 1 or dim in SHOWN))
         return (f"dp {self.dp} ({data}){others}; micro batch {self.micro_batch} × {accum} {self.grad_accum} × "
                 f"{self.dp} dp ranks = global batch {self.global_batch} sequences × {seq_len} tokens = "
-                f"{self.global_batch * seq_len:,} tokens/step")
+                f"{self.global_batch * seq_len:,} tokens/step"
+                + ("; sequence parallel over tp" if self.sequence_parallel else ""))
 
     def to_json(self) -> dict:
         """The layout as one flat record: the world size, each degree by its dimension, the batch, the wrapper."""
         return {"world_size": self.world_size, **self.degrees, "global_batch": self.global_batch,
-                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "wrapper": self.wrapper}
+                "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "wrapper": self.wrapper,
+                "sequence_parallel": self.sequence_parallel}
 
 
 def check_world(config: RunConfig, world_size: int, local_world_size: int | None = None,
@@ -121,6 +127,8 @@ def _resolve(config: RunConfig, world: int, local: int, shape: ModelShape | None
     problems += more
     if shape is not None:
         problems += model_problems(config.parallel, shape)
+    sequence_parallel, more = sequence_parallel_for(config, shape)
+    problems += more
     if config.train.steps is None and config.train.tokens is None and config.train.epochs is None:
         problems.append("train: set train.steps, train.tokens or train.epochs")
     if degrees is None:
@@ -131,7 +139,7 @@ def _resolve(config: RunConfig, world: int, local: int, shape: ModelShape | None
     if batch is None or problems:
         return None, problems
     wrapper = wrapper_for(config.parallel.strategy, degrees["pp"], dp, degrees["tp"])
-    return Layout(world, degrees, *batch, wrapper=wrapper), problems
+    return Layout(world, degrees, *batch, wrapper=wrapper, sequence_parallel=sequence_parallel), problems
 
 
 # ---- degrees ---------------------------------------------------------------------------------------------
@@ -222,6 +230,32 @@ def model_problems(parallel: ParallelConfig, shape: ModelShape) -> list[str]:
                 f"{' × pp_stages_per_rank' if per_rank > 1 else ''} of at most {shape.layers}"
             )
     return problems
+
+
+def sequence_parallel_for(config: RunConfig, shape: ModelShape | None) -> tuple[bool, list[str]]:
+    """parallel.sequence_parallel settled: auto is on when tp > 1 divides data.seq_len and the family declares
+    its norms (`shape`; without it, whatever the family). And the problems of true: tp 1, no declared norms, a
+    sequence tp does not divide."""
+    parallel, seq_len = config.parallel, config.data.seq_len
+    norms_problem = shape.sp_problem if shape is not None else None
+    if parallel.sequence_parallel == "auto":
+        on = parallel.tp > 1 and norms_problem is None and seq_len % parallel.tp == 0
+    else:
+        on = parallel.sequence_parallel
+    if not on:
+        return False, []
+    if parallel.tp == 1:
+        return False, ["parallel.sequence_parallel = true splits the sequence over the tp ranks, and parallel.tp is 1; "
+                       "set parallel.tp > 1 or parallel.sequence_parallel: false"]
+    if norms_problem:
+        return False, [norms_problem]
+    if seq_len % parallel.tp:
+        below = seq_len // parallel.tp * parallel.tp
+        multiples = sorted({below or parallel.tp, below + parallel.tp})
+        return False, [f"data.seq_len = {seq_len} is not a multiple of parallel.tp = {parallel.tp}, which sequence "
+                       f"parallelism splits it over; use {' or '.join(map(str, multiples))}, or "
+                       "parallel.sequence_parallel: false"]
+    return True, []
 
 
 # ---- the batch ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from clustertrain.config.data_schema import DataConfig
 from clustertrain.config.metrics_schema import MetricsConfig
-from clustertrain.config.section import Section
+from clustertrain.config.section import ConfigPath, Section
 from clustertrain.config.slurm_schema import SLURM_TIME_FORMS, SlurmConfig, Walltime, walltime_seconds
 from clustertrain.config.strategy import Strategy, read_stage_keys
 
@@ -44,7 +44,7 @@ class ModelConfig(Section):
         "entropy; CUDA only, for the families it supports), none (plain PyTorch). auto: liger when it is installed "
         "and can run, else none.",
     )
-    path: str | None = Field(
+    path: ConfigPath | None = Field(
         None, description="A local HF model directory (config.json, safetensors or .bin weights, tokenizer) to "
         "fine-tune. Its config replaces model.arch and model.config; model.config keys you set override it."
     )
@@ -101,6 +101,11 @@ class ParallelConfig(Section):
     _stage_keys = model_validator(mode="before")(classmethod(lambda cls, data: read_stage_keys(data)))
     tp: int = Field(1, gt=0, description="Tensor-parallel degree: each block's linears split over this many ranks "
                     "(the model's own `base_model_tp_plan`).")
+    sequence_parallel: Literal["auto"] | bool = Field(
+        "auto", description="With tp > 1, also split the sequence between the split linears (torchtitan's sequence "
+        "parallelism): the residual stream, norms and dropout of each tp rank hold 1/tp of the tokens. auto: on when "
+        "tp > 1 divides data.seq_len and the model's family declares its norms; true requires both.",
+    )
     pp: int = Field(1, gt=0, description="Pipeline-parallel degree: the decoder layers split over this many ranks, "
                     "one stage per rank (pp_stages_per_rank under interleaved_1f1b).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
@@ -166,7 +171,7 @@ class OptimConfig(Section):
 
 
 class TrainConfig(Section):
-    run_dir: str | None = Field(None, description="Run directory; default runs/<config name>.")
+    run_dir: ConfigPath | None = Field(None, description="Run directory; default runs/<config name>.")
     steps: int | None = Field(300, gt=0, description="Optimizer steps; or set `tokens`.")
     tokens: int | None = Field(None, gt=0, description="Token budget; overrides `steps` when set.")
     epochs: float | None = Field(
@@ -186,7 +191,7 @@ class TrainConfig(Section):
     )
     seed: int = Field(1234, ge=0, lt=2**63, description="Seeds the initial weights and the data order (same on any "
                       "rank count); 0 to 2^63-1.")
-    resume: str = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
+    resume: ConfigPath = Field("auto", description="auto: newest checkpoint of the run if any; none: start fresh; or a path.")
     overwrite: bool = Field(
         False, description="With resume none, start over in a run directory that has checkpoints (moved aside)."
     )

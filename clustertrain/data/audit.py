@@ -2,8 +2,9 @@
 
 A fingerprint is (source, document, token offset, epoch) of a row's first token: it names the sample. A
 run appends one line per global batch, across resumes; a step written twice (a killed run re-does the
-steps after its last checkpoint) counts once, the later record winning. The report replays the data
-order from the run's config and lists samples the run repeated or skipped.
+steps after its last checkpoint) counts once, the later record winning. The first line of each start of a run
+says so ("start": true), so that the replay knows where a resume drew a new order (data.reshuffle_on_resume).
+The report replays the data order from the run's config and lists samples the run repeated or skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class AuditLog:
     def __init__(self, path: Path, labels: list[str], dp_rank: int = 0):
         self.path, self.labels, self.dp_rank = path, labels, dp_rank
         self._file = None
+        self._started = False  # the first record of this start is marked
 
     def record(self, step: int, origins: list[tuple]) -> None:
         """Every rank calls this with its rows' origins (stream, slot, document, offset, epoch)."""
@@ -41,8 +43,10 @@ class AuditLog:
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("a")
+        first = {} if self._started else {"start": True}  # where a resume may have drawn a new order
+        self._started = True
         samples = [[self.labels[slot], doc, offset, epoch] for _, slot, doc, offset, epoch in rows]
-        self._file.write(json.dumps({"step": step, "samples": samples}) + "\n")
+        self._file.write(json.dumps({"step": step, "samples": samples, **first}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -62,6 +66,20 @@ def read_audit(path: Path) -> dict[int, list[tuple]]:
                 continue  # a line cut by a kill
             steps[record["step"]] = [tuple(s) for s in record["samples"]]
     return steps
+
+
+def read_starts(path: Path) -> list[int]:
+    """The first steps of the starts that the recorded steps come from: a start at step s replaces the starts
+    after it (a run resumed from an earlier checkpoint re-does their steps)."""
+    starts: list[int] = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("start"):
+            starts = [s for s in starts if s < record["step"]] + [record["step"]]
+    return starts
 
 
 def audit_report(recorded: dict[int, list[tuple]], expected: dict[int, list[tuple]] | None) -> dict[str, Any]:
@@ -108,8 +126,10 @@ def problem_lines(report: dict[str, Any], recorded: dict[int, list[tuple]],
     return lines
 
 
-def expected_samples(config, steps: int) -> dict[int, list[tuple]]:
-    """Replay the data order of `config` on one process: step -> fingerprints of steps 1..`steps`."""
+def expected_samples(config, steps: int, starts: list[int] = ()) -> dict[int, list[tuple]]:
+    """Replay the data order of `config` on one process: step -> fingerprints of steps 1..`steps`. Under
+    data.reshuffle_on_resume, the position is saved and loaded again before each step of `starts` (read_starts),
+    so the replay draws the new orders the run's resumes drew."""
     from clustertrain.data.loader import StreamLoader
     from clustertrain.data.plan import DataPlan
     from clustertrain.data.tokenize import cache_root, load_tokenizer
@@ -120,6 +140,8 @@ def expected_samples(config, steps: int) -> dict[int, list[tuple]]:
     loader = StreamLoader(plan, dp_rank=0, dp_size=1)
     expected = {}
     for step in range(1, steps + 1):
+        if step in starts and step > 1 and data.reshuffle_on_resume:
+            loader.load_state_dict(loader.state_dict())
         origins = sorted(loader.next_batch()["origins"])
         expected[step] = [(plan.labels[slot], doc, offset, epoch) for _, slot, doc, offset, epoch in origins]
     return expected

@@ -25,7 +25,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from clustertrain.config.layout import rows_problem
 from clustertrain.data.pack import document_bounds
-from clustertrain.data.plan import DataPlan, spec_changes
+from clustertrain.data.mixture import derive_seed
+from clustertrain.data.plan import SEED, DataPlan, spec_changes
 from clustertrain.distributed.collectives import all_gather_objects, rank_device
 from clustertrain.distributed.spawn import die_with_parent
 from clustertrain.errors import ConfigError, DataError, UserError
@@ -109,17 +110,38 @@ class StreamLoader:
                 f"the checkpoint's data position has {state.get('num_streams')} streams (its "
                 f"train.global_batch_size), this run has {self.num_streams}: keep train.global_batch_size to resume"
             )
+        reshuffle = self.plan.data.reshuffle_on_resume
         if state.get("fingerprint") != self.plan.fingerprint():
             changes = spec_changes(state["data_spec"], self.plan.spec()) if "data_spec" in state else []
-            raise DataError(
-                "the checkpoint's data position was taken over other data: "
-                + (f"{'; '.join(changes)}; restore {'it' if len(changes) == 1 else 'them'} to resume" if changes else
-                   "data.sources, data.seq_len, data.seed, data.mode, data.mix_by or data.shuffle_buffer changed; "
-                   "restore them to resume")
-            )
+            others = [change for change in changes if not change.startswith(SEED + ":")]
+            seed_changed = len(others) < len(changes)
+            if reshuffle:  # a new seed is welcome: the position's draws keep the old one (Stream.state_dict)
+                changes = others
+            if not (reshuffle and seed_changed and not others):
+                raise DataError(
+                    "the checkpoint's data position was taken over other data: "
+                    + (f"{'; '.join(changes)}; restore {'it' if len(changes) == 1 else 'them'} to resume" if changes
+                       else "data.sources, data.seq_len, data.seed, data.mode, data.mix_by or data.shuffle_buffer "
+                       "changed; restore them to resume")
+                    + (" (or set data.reshuffle_on_resume: true to read the epoch's unread documents in a new order)"
+                       if seed_changed and not reshuffle else "")
+                )
         self.batches = state["batches"]
         self.states = {s: state["streams"][s] for s in self.stream_ids}
+        if reshuffle:
+            self._reshuffle(state.get("data_spec", {}).get(SEED, self.plan.seed))
         self._iterator = self._ahead = None
+
+    def _reshuffle(self, first_seed: int) -> None:
+        """data.reshuffle_on_resume: this rank's streams read the documents not yet read in their epochs in a new
+        order, under a seed of this data.seed and this position (every rank draws the same; a resume from the same
+        checkpoint draws it again). `first_seed`: the seed of a saved stream that does not name its own."""
+        seed = derive_seed(self.plan.seed, self.batches)
+        for s, state in self.states.items():
+            if state is not None:  # None: a stream not yet read, whose whole epoch is still ahead
+                stream = self.plan.stream(s, self.split, {"seed": first_seed, **state})
+                stream.reshuffle(seed)
+                self.states[s] = stream.state_dict()
 
     # ---- batches -------------------------------------------------------------------------------
     def next_batch(self) -> dict[str, Any]:

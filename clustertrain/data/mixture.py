@@ -35,3 +35,9 @@ def _cumulative(weights: tuple[float, ...]) -> np.ndarray:
 def window_permutation(size: int, *key: int) -> np.ndarray:
     """The shuffle of one window of `size` documents, determined by `key`."""
     return np.random.default_rng(list(key)).permutation(size)
+
+
+def derive_seed(*key: int) -> int:
+    """A seed in [0, 2^63) determined by the integers of `key` (a new seed from an old one and a position)."""
+    digest = hashlib.blake2b(struct.pack(f"<{len(key)}q", *key), digest_size=8, person=b"seed").digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -1,9 +1,10 @@
 """Documents -> fixed-length training sequences, with a cursor small enough to checkpoint.
 
 A `DocumentOrder` walks one stream's slice of a source, shuffled within windows of `shuffle_buffer`
-documents and reshuffled every epoch; a `Cursor` walks one or several orders (a rows-weighted mixture);
-a `Packer` turns the documents under a cursor into sequences. Every position is a few integers, and
-restoring one re-reads and re-tokenizes at most one window: never the data before it.
+documents and reshuffled every epoch (epoch_order.py; with `data.reshuffle_on_resume`, anew over the rest of the
+epoch at each resume); a `Cursor` walks one or several orders (a rows-weighted mixture); a `Packer` turns the
+documents under a cursor into sequences. Every position is a few integers, and restoring one re-reads and
+re-tokenizes at most one window: never the data before it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from clustertrain.data.holdout import SplitSource
-from clustertrain.data.mixture import choose, window_permutation
+from clustertrain.data.epoch_order import EpochOrder
+from clustertrain.data.mixture import choose
 from clustertrain.data.sources import Document
 from clustertrain.errors import DataError
 
@@ -47,16 +49,18 @@ class DocumentOrder:
         self.phase = phase  # where in its first document a stream sharing the slice starts, as a fraction
         self.buffer, self.key, self.encode = buffer, key, encode
         self._window: tuple[int, dict[int, Encoded | None]] | None = None
-        self._shuffle: tuple[int, int, np.ndarray] | None = None  # (epoch, window, permutation)
+        self._epoch: tuple[tuple, EpochOrder] | None = None  # ((epoch, seed, reshuffles), its order)
 
-    def at(self, epoch: int, pos: int) -> tuple[int, Encoded | None]:
-        """(document index, its encoding or None if skipped) at position `pos` of `epoch`."""
-        window, offset = divmod(pos, self.buffer)
+    def at(self, epoch: int, pos: int, seed: int | None = None,
+           reshuffles: list[list[int]] | tuple = ()) -> tuple[int, Encoded | None]:
+        """(document index, its encoding or None if skipped) at position `pos` of `epoch`, whose order `seed`
+        (default: this order's key's) and `reshuffles` ([position, seed] pairs: epoch_order.py) give."""
+        which = (epoch, self.key[0] if seed is None else seed, tuple(map(tuple, reshuffles)))
+        if self._epoch is None or self._epoch[0] != which:
+            self._epoch = (which, EpochOrder(self.length, self.buffer, self.key, *which))
+        window, within = self._epoch[1].locate(pos)
         size = min(self.buffer, self.length - window * self.buffer)
-        if self._shuffle is None or self._shuffle[:2] != (epoch, window):
-            self._shuffle = (epoch, window, window_permutation(size, *self.key, epoch, window))
-        shuffled = window * self.buffer + int(self._shuffle[2][offset])
-        index = self.source.index(self.lo + (shuffled + self.rotate) % self.length)
+        index = self.source.index(self.lo + (window * self.buffer + within + self.rotate) % self.length)
         return index, self._load(window, size)[index]
 
     def _load(self, window: int, size: int) -> dict[int, Encoded | None]:
@@ -78,13 +82,13 @@ class Cursor:
     def __init__(self, orders: list[DocumentOrder], weights: tuple[float, ...], key: tuple[int, ...]):
         self.orders, self.weights, self.key = orders, weights, key
         self.count = 0
-        self.positions = [[0, 0] for _ in orders]  # [epoch, pos] per order
+        # per order [epoch, pos], and once a resume has reshuffled it [epoch, pos, the epoch's seed, reshuffles]
+        self.positions: list[list] = [[0, 0] for _ in orders]
 
     def current(self) -> tuple[int, int, Encoded | None]:
         """(source slot, document index, encoding) under the cursor."""
         slot = choose(self.weights, *self.key, self.count)
-        epoch, pos = self.positions[slot]
-        return (slot, *self.orders[slot].at(epoch, pos))
+        return (slot, *self.orders[slot].at(*self.positions[slot]))
 
     def current_epoch(self) -> int:
         return self.positions[choose(self.weights, *self.key, self.count)][0]
@@ -99,14 +103,28 @@ class Cursor:
         position[1] += 1
         if position[1] == self.orders[slot].length:
             position[0], position[1] = position[0] + 1, 0
+            if len(position) > 2:  # the next epoch is drawn under the latest seed, from its start
+                position[2:] = [position[3][-1][1] if position[3] else position[2], []]
         self.count += 1
 
+    def reshuffle(self, seed: int, started: bool) -> None:
+        """Draw a new order, under `seed`, over each order's documents not yet read in its epoch; `started`: the
+        document under the cursor is partly read, so it stays where it is."""
+        current = choose(self.weights, *self.key, self.count)
+        for slot, (order, position) in enumerate(zip(self.orders, self.positions)):
+            if self.weights[slot] == 0:  # a lane's other sources (mix_by: tokens), never read here
+                continue
+            if len(position) == 2:
+                position += [order.key[0], []]
+            position[3].append([position[1] + (started and slot == current), seed])
+
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "positions": [list(p) for p in self.positions]}
+        return {"count": self.count, "positions": [[*p[:3], [list(r) for r in p[3]]] if len(p) > 2 else list(p)
+                                                   for p in self.positions]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = state["count"]
-        self.positions = [list(p) for p in state["positions"]]
+        self.positions = [[*p[:3], [list(r) for r in p[3]]] if len(p) > 2 else list(p) for p in state["positions"]]
 
 
 @dataclass
@@ -154,6 +172,10 @@ class Packer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cursor.load_state_dict(state["cursor"])
         self.offset = state["offset"]
+
+    def reshuffle(self, seed: int) -> None:
+        """A new order over the documents not yet read this epoch (the one partly packed finishes first)."""
+        self.cursor.reshuffle(seed, started=self.offset > 0)
 
     def next(self) -> Sequence:
         return self._next_example_pack() if self.whole_examples else self._next_window()

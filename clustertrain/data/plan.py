@@ -39,12 +39,17 @@ class Stream:
         return skipped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "lanes": [p.state_dict() for p in self.packers]}
+        return {"count": self.count, "lanes": [p.state_dict() for p in self.packers], "seed": self.key[0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = state["count"]
         for packer, lane in zip(self.packers, state["lanes"]):
             packer.load_state_dict(lane)
+
+    def reshuffle(self, seed: int) -> None:
+        """A new order, under `seed`, over every lane's documents not yet read in their epochs."""
+        for packer in self.packers:
+            packer.reshuffle(seed)
 
 
 class RandomStream:
@@ -64,13 +69,17 @@ class RandomStream:
         return Counter()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count}
+        return {"count": self.count, "seed": self.key[0]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.count = state["count"]
 
+    def reshuffle(self, seed: int) -> None:
+        """Nothing to reshuffle: the ids are drawn, not read."""
+
 
 EVAL_FRACTION = "data.eval_fraction (0 with data.eval_sources)"  # keys of DataPlan.spec
+SEED = "data.seed (train.seed if unset)"
 EVAL_SPLIT = "data.eval_split"
 
 
@@ -189,7 +198,7 @@ class DataPlan:
         d = self.data
         spec = {"data.sources": [s.model_dump() for s in d.sources], "data.mode": d.mode, "data.mix_by": d.mix_by,
                 "data.seq_len": d.seq_len, "data.shuffle_buffer": d.shuffle_buffer,
-                "data.seed (train.seed if unset)": self.seed,
+                SEED: self.seed,
                 EVAL_FRACTION: self.eval_fraction, "documents in data.sources": [len(s) for s in self.sources]}
         if self.eval_fraction > 0 and d.eval_split != "tail":  # without it, a position saved before it stays valid
             spec[EVAL_SPLIT] = d.eval_split
@@ -209,8 +218,9 @@ class DataPlan:
         return (self.eval_plan, "train") if split == "eval" and self.eval_plan is not None else (self, split)
 
     def stream(self, s: int, split: str, state: dict[str, Any] | None = None):
-        """Stream `s` over the `split` ("train" or "eval") slice of every source, at `state` if given."""
-        key = (self.seed, s, 0 if split == "train" else 1)
+        """Stream `s` over the `split` ("train" or "eval") slice of every source, at `state` if given (its draws
+        keep the seed the stream began with: data.reshuffle_on_resume accepts a changed data.seed)."""
+        key = ((state or {}).get("seed", self.seed), s, 0 if split == "train" else 1)
         if self.data.mode == "random":
             stream = RandomStream(len(self.tokenizer) if self.tokenizer else self.data.vocab_size, self.data.seq_len, key)
         else:

@@ -57,13 +57,38 @@ def load_tokenizer(data: DataConfig) -> PreTrainedTokenizerBase | None:
     if problem := custom_code(path):
         raise DataError(f"data.tokenizer: {problem}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = open_tokenizer(path)
     except Exception as e:  # noqa: BLE001 - on a garbage file transformers raises KeyError, AttributeError, ...
         problem = tokenizer_files_problem(path) or f"cannot load a tokenizer from {path}: {first_line(e)}"
         raise DataError(f"data.tokenizer: {problem}") from None
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.tokenizer: {path} defines no eos_token, which packing needs between documents")
     return tokenizer
+
+
+def open_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in `folder`, read alike under transformers 4.57 and 5.x, whichever of them wrote it."""
+    if names_a_v5_only_class(folder):
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+
+
+# transformers 5 saves a tokenizers-library tokenizer under the class name `TokenizersBackend` (or none), which 4.x
+# lacks ("Tokenizer class TokenizersBackend does not exist"); `PreTrainedTokenizerFast`, which every release has (in
+# 5 the same class), reads the same tokenizer.json.
+PORTABLE_TOKENIZER = "PreTrainedTokenizerFast"
+
+
+def names_a_v5_only_class(folder: Path) -> bool:
+    """Whether `folder` holds a fast tokenizer whose tokenizer_config.json names a class only transformers 5 has."""
+    file = folder / "tokenizer_config.json"
+    if not file.is_file() or not (folder / "tokenizer.json").is_file():
+        return False  # a slow (sentencepiece) tokenizer keeps its own class
+    try:
+        config = json.loads(file.read_text())
+    except ValueError:
+        return False  # AutoTokenizer fails on it, and tokenizer_files_problem says why
+    return isinstance(config, dict) and config.get("tokenizer_class") in (None, "TokenizersBackend")
 
 
 # The files of a tokenizer transformers can load: a fast tokenizer's tokenizer.json, or a slow one's vocabulary.

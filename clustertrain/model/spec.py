@@ -40,7 +40,8 @@ def model_shape(model: ModelConfig, vocab_size: int) -> ModelShape:
 
     heads = getattr(config, "num_attention_heads", None)
     return ModelShape(config.model_type, heads, getattr(config, "num_key_value_heads", None) or heads,
-                      getattr(config, "num_hidden_layers", None), problem(tp_plan), problem(stage_family))
+                      getattr(config, "num_hidden_layers", None), problem(tp_plan), problem(stage_family),
+                      problem(norms))
 
 
 def tp_plan(config: PretrainedConfig) -> dict[str, str]:
@@ -56,6 +57,21 @@ def tp_plan(config: PretrainedConfig) -> dict[str, str]:
         raise ConfigError(f"parallel.tp: the {config.model_type!r} plan uses styles {sorted(unknown)}, which "
                           f"clustertrain does not support (only {sorted(TP_STYLES)}); use parallel.tp: 1")
     return plan
+
+
+def norms(config: PretrainedConfig) -> tuple[str, ...]:
+    """The patterns of the model's norms (and other per-token modules) that sequence parallelism runs on a slice
+    of the sequence: its family's declaration (`clustertrain.model.families.Family.norms`).
+
+    Raises:
+        ConfigError: no family declares them for this model type.
+    """
+    family = family_of(config.model_type)
+    if family is None or not family.norms:
+        declared = sorted(t for t, f in families().items() if f.norms)
+        raise ConfigError(f"parallel.sequence_parallel: {config.model_type!r} declares no norms (a model family "
+                          f"does: {', '.join(declared)}); use parallel.sequence_parallel: false")
+    return family.norms
 
 
 def pipeline_plan(config: PretrainedConfig) -> Plan:

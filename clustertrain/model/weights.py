@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers import PreTrainedModel
 
-from clustertrain.errors import CheckpointError, ConfigError
+from clustertrain.errors import CheckpointError, ConfigError, first_line
 
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -49,10 +49,20 @@ def _init_module(model: PreTrainedModel, module: nn.Module, device: torch.device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         model._init_weights(module)
+    if hasattr(module, "rope_init_fn") and "original_inv_freq" not in module._buffers:  # transformers 4.x's rotary
+        _init_rotary(module, device)
     for n, p in sharded.items():
         full = module._parameters[n].data
         p.to_local().copy_(full[_local_index(p)])
         module._parameters[n] = p
+
+
+def _init_rotary(module: nn.Module, device: torch.device) -> None:
+    """Compute a transformers 4.x rotary embedding's `inv_freq` again: its __init__ alone fills that buffer, so
+    `to_empty` leaves it uninitialized (5.x's `_init_weights` computes it, and keeps `original_inv_freq` a buffer)."""
+    inv_freq, module.attention_scaling = module.rope_init_fn(module.config, device)
+    module.inv_freq.copy_(inv_freq)
+    module.original_inv_freq = module.inv_freq  # as __init__ leaves it: the value dynamic rope scaling returns to
 
 
 def materialize(model: nn.Module, device: torch.device, seed: int, snapshot: Path | None) -> None:
@@ -156,16 +166,18 @@ def refusal(error: pickle.UnpicklingError) -> str:
     return next((line.strip()[:200] for line in detail.splitlines() if line.strip()), type(error).__name__)
 
 
-@functools.lru_cache(maxsize=2)
-def _bin(path: Path) -> dict[str, torch.Tensor]:
-    """A .bin checkpoint, memory-mapped (no copy in RAM) and without unpickling code."""
+def read_pth(file: Path) -> dict[str, torch.Tensor]:
+    """A `.bin`/`.pth`/`.pt` state dict, memory-mapped (no copy in RAM) and weights-only: one line if it holds code
+    or anything but tensors."""
     try:
-        weights = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{path} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
+        raise CheckpointError(f"{file} holds code or non-tensor objects ({refusal(e)}) and was not loaded") from None
     except (RuntimeError, OSError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path} is not a readable PyTorch weights file ({type(e).__name__}: "
-                              f"{(str(e).strip().splitlines() or [''])[0]})") from None
-    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise CheckpointError(f"{path} holds no state dict of tensors and was not loaded")
-    return weights
+        raise CheckpointError(f"{file} is not a readable PyTorch weights file ({first_line(e)})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(f"{file} holds no state dict of tensors and was not loaded")
+    return state
+
+
+_bin = functools.lru_cache(maxsize=2)(read_pth)  # a snapshot's .bin shards, read once for all their tensors

@@ -54,7 +54,7 @@ def parallelize(
 
 def _parallelize(model, parallel, mesh, device, blocks, materialize) -> nn.Module:
     if mesh.degree("tp") > 1:
-        apply_tp(model, mesh.tp_mesh())
+        apply_tp(model, mesh.tp_mesh(), mesh.layout.sequence_parallel)
     apply_activation_checkpointing(model, parallel.activation_checkpoint, parallel.activation_checkpoint_every, blocks)
     if parallel.compile:
         apply_compile(model, blocks)

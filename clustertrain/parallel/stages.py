@@ -14,7 +14,9 @@ Inputs and outputs, per microbatch of b rows of t tokens:
 - stage 0 takes `(input_ids [b, t], position_ids [b, t] or None)`; None means 0..t-1 in every row.
 - a later stage takes what its predecessor returned, `(hidden [b, t, h], position_ids [b, t])`:
   pipelining hands the microbatch to the first stage only, so the positions, which every stage needs
-  for its masks and rotary embeddings, travel with the activations (t int64 per row, no gradient).
+  for its masks and rotary embeddings, travel with the activations (t int64 per row, no gradient). Under
+  sequence parallelism the hidden states sent are the tp rank's slice, `[b, t/tp, h]`: clustertrain.parallel.tp
+  hooks a stage's ends to send the slice and take it back as the whole sequence's `Shard(1)` DTensor.
 - every stage but the last returns `(hidden, position_ids)`; the last returns the logits [b, t, vocab].
 - the last stage also takes `labels [b, t]` as a keyword (`schedule.step(..., labels=...)` on its rank:
   keywords reach every stage of the rank that passes them, split into microbatches like the inputs, and

@@ -3,7 +3,9 @@
 The model (assumptions, each a choice a reader can check against a measured run, docs/plan.md):
 
 * compute: the model FLOPs of a step (6N + 12LHQT per token, `model.estimate`) split evenly over the ranks,
-  plus the forward recomputed under activation checkpointing, at `efficiency` × the device's peak;
+  plus the forward recomputed under activation checkpointing, at `efficiency` × the device's peak; tp splits
+  the output head by vocabulary rows too (`clustertrain.parallel.vocab`), and a head it leaves whole (one peft
+  adapted) is computed in full by every tp rank (`rank_flops_per_token`);
 * a pipeline idles (pp - 1) / (microbatches + pp - 1) of the step (divided by the stages per rank when
   interleaved);
 * data-parallel traffic (FSDP's all-gathers and reduce-scatters, DDP's and hybrid's all-reduces) overlaps
@@ -16,6 +18,8 @@ The model (assumptions, each a choice a reader can check against a measured run,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from torch import nn
 
 from clustertrain.config.layout import DIMS, Layout
 from clustertrain.config.schema import RunConfig
@@ -116,3 +120,27 @@ def bubble(config: RunConfig, layout: Layout) -> float:
         return 0.0
     stages = config.parallel.pp_stages_per_rank if config.parallel.pp_schedule == "interleaved_1f1b" else 1
     return (pp - 1) / stages / (layout.grad_accum + pp - 1)
+
+
+def rank_flops_per_token(model_flops: float, parts: list[nn.Module], tp: int) -> float:
+    """Training FLOPs per token of a rank's even share of a step's tokens (the step's over all ranks), from the
+    whole model's `model_flops` (`model.estimate`). Every matmul is split over the tp ranks, the output head's
+    included when it is split by vocabulary rows (each tp rank computes logits [..., V/tp]); a head left whole
+    costs each tp rank all of it, tp times its even share."""
+    heads = [module for part in parts for name, module in part.named_modules() if name.split(".")[-1] == "lm_head"]
+    whole = sum(head_flops_per_token(head) for head in heads if not split_by_vocabulary(head))
+    return model_flops + (tp - 1) * whole
+
+
+def head_flops_per_token(head: nn.Module) -> float:
+    """The output head's training FLOPs per token: 2·H·V forward, as much for its input's gradient, and as much for
+    its weight's unless it is frozen (LoRA)."""
+    vocab, hidden = head.weight.shape  # a DTensor's shape is the whole weight's
+    return (6.0 if head.weight.requires_grad else 4.0) * vocab * hidden
+
+
+def split_by_vocabulary(head: nn.Module) -> bool:
+    """Whether tp split `head`'s weight by vocabulary rows (Shard(0) on the mesh's tp dimension)."""
+    mesh = getattr(head.weight, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    return "tp" in names and head.weight.placements[names.index("tp")].is_shard(0)

@@ -71,7 +71,10 @@ class LiveBytes(TorchDispatchMode):
     """Bytes of the tensor storages allocated under this mode that are still alive, and their peak.
 
     A storage is counted once however many views share it, and uncounted when it is freed; FSDP's
-    `storage.resize_` (how it frees and re-allocates gathered parameters) is followed too.
+    `storage.resize_` (how it frees and re-allocates gathered parameters) is followed too. An op's output that
+    shares the storage of one of its inputs allocated nothing: a view of a parameter (`weight.t()` in every
+    linear without autocast's cast, LoRA's frozen base) is not a new tensor of the step. Counting it was what made
+    a pipeline stage keep a copy of its weights per microbatch in flight, in the plan only.
     """
 
     def __init__(self) -> None:
@@ -84,10 +87,10 @@ class LiveBytes(TorchDispatchMode):
             # a fake tensor has no value to read (`.item()`): the pipeline's P2P warm-up vote reads 1, "static"
             return args[0].dtype.is_floating_point and 1.0 or (True if args[0].dtype == torch.bool else 1)
         out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                for plain in _plain_tensors(tensor):
-                    self._track(plain.untyped_storage())
+        inputs = {id(storage) for storage in _storages((args, kwargs))}
+        for storage in _storages(out):
+            if id(storage) not in inputs:
+                self._track(storage)
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
@@ -129,6 +132,12 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+def _storages(tree) -> list[torch.UntypedStorage]:
+    """The storages that hold the data of the tensors in `tree` (nested lists, tuples and dicts)."""
+    return [plain.untyped_storage() for tensor in tree_flatten(tree)[0] if isinstance(tensor, torch.Tensor)
+            for plain in _plain_tensors(tensor)]
+
+
 def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors that hold a tensor's data: a DTensor's local shard, not the wrapper of its global shape."""
     if not is_traceable_wrapper_subclass(tensor):
@@ -152,7 +161,8 @@ class RankBytes:
             parameters, gradients, temporaries), measured.
         activations: what the step kept for the backward at its forward's end: `step_peak`'s largest part.
         checkpoint: what this rank writes to a checkpoint (parameters and optimizer states).
-        flops_per_token: the whole model's training FLOPs per token (model.estimate), for the cost of a step.
+        flops_per_token: the rank's training FLOPs per token of its even share of a step's tokens (the whole
+            model's, model.estimate, and a head tp leaves whole: plan.cost.rank_flops_per_token).
         hidden, layers: the model's width and depth, for the activations that tp and pp send.
     """
 
@@ -215,6 +225,7 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
     from clustertrain.model.estimate import model_flops_per_token
     from clustertrain.model.loss import TokenLoss
     from clustertrain.parallel.apply import DTYPES, parallelize
+    from clustertrain.plan.cost import rank_flops_per_token
 
     # flash-attn and flex run on GPUs only; they keep no seq x seq tensor, as sdpa without a mask does not
     kernel = config.model.attn_implementation in GPU_ATTENTION
@@ -225,7 +236,7 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
                         loss=config.train.loss, loss_chunk_tokens=config.train.loss_chunk_tokens,
                         tp=layout.degree("tp"), pipeline=layout.degree("pp") > 1,
                         packed_documents=config.data.packed_documents)
-    flops = model_flops_per_token(built.model, config.data.seq_len)
+    model_flops = model_flops_per_token(built.model, config.data.seq_len)  # before parallelize changes the model
     hidden, layers = built.hf_config.hidden_size, built.hf_config.num_hidden_layers
     mesh = build_mesh(layout, device_type)
     ddp = layout.wrapper == "ddp"
@@ -240,6 +251,7 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
     runner = parallelize(built.model, config.parallel, mesh, CPU, block_classes(built.model), materialize,
                          loss=TokenLoss(), microbatches=layout.grad_accum)
     params, trainable, optimizer = state_bytes(runner.parts)
+    flops = rank_flops_per_token(model_flops, runner.parts, layout.degree("tp"))
     rows, seq_len = layout.micro_batch * layout.grad_accum, config.data.seq_len
     with fake:
         vocab = built.hf_config.vocab_size
@@ -262,32 +274,41 @@ def measure_rank(config: RunConfig, layout: Layout, device_type: str = "cpu") ->
 
 def _pipeline_step(runner, config: RunConfig, layout: Layout, batch: dict, scale: torch.Tensor,
                    hidden: int) -> tuple[int, int]:
-    """(step peak, activations kept) of this rank's pipeline stages: one microbatch through each stage, forward
-    then backward, and the activations of the microbatches the schedule holds in flight counted from it. (The
-    schedule itself cannot run here: its stages learn their inputs' shapes from each other over the process
-    group, which a fake one cannot carry.)"""
+    """(step peak, live bytes at the forwards' end) of this rank's pipeline stages: two microbatches through each
+    stage, both forwards, then both backwards. What the second forward adds is what each microbatch in flight
+    keeps; what the first adds beyond it is the stage's once (FSDP's gathered weights, which stay from forward to
+    backward unless resharded), not a microbatch's. The schedule's other microbatches in flight are counted from
+    it. (The schedule itself cannot run here: its stages learn their inputs' shapes from each other over the
+    process group, which a fake one cannot carry.)"""
     rows, seq = layout.micro_batch, config.data.seq_len
     ids, labels = batch["input_ids"][:rows], batch["labels"][:rows]
     positions = torch.arange(seq).expand(rows, seq).contiguous()
     residual = DTYPES_BY_NAME[config.parallel.param_dtype] if layout.wrapper == "fsdp" else torch.float32
-    peaks, kept = [], []
+    sent = seq // layout.degree("tp") if layout.sequence_parallel else seq  # a tp rank's slice under sequence parallel
+    peaks, kept, once = [], [], []
     rows_in_hand = {"input_ids": ids, "labels": labels, "position_ids": positions}
     with runner.forward_context(rows_in_hand), LiveBytes() as counted:
         for stage in runner.parts:
-            before = counted.live
             counted.reset_peak()
+            outputs, added = [], []
             with runner.autocast():
-                x = ids if stage.is_first else torch.randn(rows, seq, hidden, dtype=residual, requires_grad=True)
-                out = stage(x, positions, **({"labels": labels} if stage.is_last else {}))
-                kept.append(counted.live - before)
-                if stage.is_last:
-                    runner._scaled_loss(out, labels, scale).backward()
-                else:
-                    torch.autograd.backward(out[0], torch.ones_like(out[0]))
+                for _ in range(2):
+                    before = counted.live
+                    x = ids if stage.is_first else torch.randn(rows, sent, hidden, dtype=residual, requires_grad=True)
+                    outputs.append(stage(x, positions, **({"labels": labels} if stage.is_last else {})))
+                    added.append(counted.live - before)
+                for out in reversed(outputs):
+                    if stage.is_last:
+                        runner._scaled_loss(out, labels, scale).backward()
+                    else:
+                        torch.autograd.backward(out[0], torch.ones_like(out[0]))
+            del outputs, out
             peaks.append(counted.peak)
+            kept.append(added[1])
+            once.append(added[0] - added[1])
     in_flight = microbatches_in_flight(config, layout, runner.parts[0].stage_index)
     per_microbatch = sum(kept) // len(kept)
-    return max(peaks) + (in_flight - 1) * per_microbatch, in_flight * per_microbatch
+    return max(peaks) + (in_flight - 2) * per_microbatch, max(once) + in_flight * per_microbatch
 
 
 def microbatches_in_flight(config: RunConfig, layout: Layout, first_stage: int) -> int:

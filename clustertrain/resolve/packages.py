@@ -25,8 +25,22 @@ def check_trackers(metrics: MetricsConfig) -> None:
                               f"pip install 'clustertrain[{module}]'")
 
 
+def check_pipeline_transformers(config: RunConfig, version: str | None = None) -> None:
+    """parallel.pp > 1 runs the families' stage forwards, written for (and tested under) transformers 5: under 4.x
+    their decoder layers return tuples and their masks take other arguments. One line, not a crash mid-run."""
+    if config.parallel.pp > 1:
+        import transformers
+
+        version = version or transformers.__version__
+        if int(version.split(".", 1)[0]) < 5:
+            raise ConfigError(f"parallel.pp = {config.parallel.pp} needs transformers 5 or newer (installed: "
+                              f"{version}); use parallel.pp: 1 under transformers 4, or pip install "
+                              "'transformers>=5'")
+
+
 def check_packages(config: RunConfig) -> None:
-    """Every optional package `config` needs is installed (train.eval_tasks', the enabled trackers').
+    """Every optional package `config` needs is installed (train.eval_tasks', the enabled trackers'), and the
+    installed transformers runs its pipeline stages.
 
     Raises:
         ConfigError: one line for the first one missing, naming the extra to install.
@@ -35,3 +49,4 @@ def check_packages(config: RunConfig) -> None:
     if problems:
         raise ConfigError(problems[0])
     check_trackers(config.metrics)
+    check_pipeline_transformers(config)

@@ -17,6 +17,7 @@ from clustertrain.data.plan import DataPlan
 from clustertrain.data.sft import render_example
 from clustertrain.data.sources import text_of
 from clustertrain.distributed.collectives import broadcast
+from clustertrain.model.loss import full_logits
 from clustertrain.parallel.apply import unwrap
 from clustertrain.parallel.runner import Runner, autocast
 
@@ -54,7 +55,7 @@ def sample_ids(model: nn.Module, prompt: list[int], max_new_tokens: int, eos_id:
     generator = torch.Generator(device).manual_seed(0)
     with autocast(device, autocast_dtype):
         for _ in range(max_new_tokens):
-            logits = model(input_ids=ids, use_cache=False).logits[:, -1].float() / 0.8
+            logits = full_logits(model(input_ids=ids, use_cache=False).logits[:, -1]).float() / 0.8
             top = logits.topk(min(40, logits.shape[-1]))
             choice = top.indices.gather(-1, torch.multinomial(top.values.softmax(-1), 1, generator=generator))
             if together:

@@ -98,16 +98,18 @@ def exported(trained, tmp_path_factory):
 
 
 @pytest.mark.dist  # trains (the `trained` fixture): not in `make test-fast`
-@pytest.mark.parametrize("nproc, strategy", [(1, "ddp"), (2, "ddp"), (2, "zero3")])
-def test_eval_tasks_score_the_training_model_on_every_layout(trained, exported, tmp_path, nproc, strategy):
+@pytest.mark.parametrize("nproc, layout", [(1, "parallel.strategy=ddp"), (2, "parallel.strategy=ddp"),
+                                           (2, "parallel.strategy=zero3"), (2, "parallel.tp=2")])
+def test_eval_tasks_score_the_training_model_on_every_layout(trained, exported, tmp_path, nproc, layout):
     """A step that leaves the export's weights as they were (lr 1e-12), scored at its evaluation: the same
-    exact match as the export itself, whether each rank scores its share on a replica or all score together."""
+    exact match as the export itself, whether each rank scores its share on a replica or all score together (tp:
+    through the head split by vocabulary rows, its logits gathered)."""
     _, task = trained
     export, score = exported
     assert 0 < score < 1
     train(tmp_path, *REVERSE_TASK, f"data.sources=[{{path: {task / 'train.jsonl'}}}]", f"model.path={export}",
           "model.config={}", "train.steps=1", "train.eval_every=1", "optim.lr=1e-12", "optim.warmup_steps=0",
-          f"parallel.strategy={strategy}",
+          layout,
           f"train.eval_tasks=[{task / 'test.jsonl'}]", "train.eval_tasks_limit=40", nproc=nproc)
     logged = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
               if "eval_jsonl_test_exact_match" in r]

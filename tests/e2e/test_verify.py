@@ -124,3 +124,15 @@ def test_reference_resets_the_layout_keys_the_schema_has(monkeypatch):
 
     monkeypatch.setattr(schema, "ParallelConfig", Older)
     assert verify_cmd.reference_resets() == ["parallel.strategy=ddp", "parallel.hybrid_shard_size=null"]
+
+
+@pytest.mark.dist
+def test_tensor_and_sequence_parallel_with_lora_on_two_ranks_matches_one_rank(tmp_path):
+    """Qwen2 with LoRA at tp 2, the sequence split over the ranks (parallel.sequence_parallel auto), over 3 steps."""
+    qwen2 = ("model.arch=qwen2", "model.config={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+             "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256}")
+    sets = [f"--set={o}" for o in (*qwen2, "parallel.tp=2", "lora.rank=4", "optim.lr=1e-2", "optim.warmup_steps=0")]
+    code, lines, stderr = verify("--nproc", "2", *sets, "--out", str(tmp_path))
+    assert code == 0, "\n".join(lines) + stderr[-3000:]
+    assert lines[-1].endswith("tolerance 1e-04 for float32: PASS"), lines[-1]
+    assert largest_difference(lines[-1]) < 1e-4

@@ -11,6 +11,8 @@ does not offer: a stage calls its decoder layers itself, so it mirrors the base 
         pp_plan={...},             # only where transformers ships no base_model_pp_plan
         tp_plan={...},             # only where it ships no base_model_tp_plan
         local_head_counts={...},   # attention modules that keep their head count as an attribute
+        norms=(...),               # its norms, final norm included: sequence parallelism runs them on a slice
+        positions=(...),           # learned position embeddings added to the token embedding's output
     )
 
 Adding a family means adding a file here that defines `FAMILY`; `family_of` finds it. A model type without a
@@ -67,6 +69,12 @@ class Family:
         tp_plan: module pattern -> style (`clustertrain.model.spec.TP_STYLES`), when it ships no `base_model_tp_plan`.
         local_head_counts: attention module pattern -> the attribute holding its head count, which tensor
             parallelism divides by the degree (a module that reshapes by that count).
+        norms: patterns of the modules that compute each token alone between the split linears: the norms (in
+            the blocks: `*` for the index; the final norm) and any projection of the stream outside the blocks
+            (OPT's). Sequence parallelism (`clustertrain.parallel.tp`) runs them on a tp rank's slice of the
+            sequence; a family that declares none cannot run it. A pattern may match nothing in some models.
+        positions: patterns of learned position embeddings, whose output joins the token embedding's before the
+            first block, so sequence parallelism slices it the same way.
     """
 
     model_types: tuple[str, ...]
@@ -76,22 +84,29 @@ class Family:
     pp_plan: Plan | None = None
     tp_plan: dict[str, str] | None = None
     local_head_counts: dict[str, str] = field(default_factory=dict)
+    norms: tuple[str, ...] = ()
+    positions: tuple[str, ...] = ()
 
 
 def stage_mask(mask_function: Callable, config: PretrainedConfig, hidden: torch.Tensor,
                position_ids: torch.Tensor | None = None):
     """`mask_function`'s mask (`transformers.masking_utils`) for a stage's layers: no padding mask, no cache.
 
-    The cache argument has no default and was renamed (`past_key_values` -> `cache` in transformers 5.24), so it
-    is named as the installed version names it.
+    Its arguments have no defaults and were renamed (4.57's `input_embeds`, `past_key_values` and `cache_position`;
+    5.24's `inputs_embeds` and `cache`), so they are named as the installed version names them.
     """
-    return mask_function(config=config, inputs_embeds=hidden, attention_mask=None, position_ids=position_ids,
-                         **{_cache_argument(mask_function): None})
+    names = _parameters(mask_function)
+    args = {"config": config, "attention_mask": None, "position_ids": position_ids,
+            "inputs_embeds" if "inputs_embeds" in names else "input_embeds": hidden,
+            "cache" if "cache" in names else "past_key_values": None}
+    if "cache_position" in names:  # nothing cached: the tokens sit at 0..n-1
+        args["cache_position"] = torch.arange(hidden.shape[1], device=hidden.device)
+    return mask_function(**args)
 
 
 @functools.cache
-def _cache_argument(function: Callable) -> str:
-    return "cache" if "cache" in inspect.signature(function).parameters else "past_key_values"
+def _parameters(function: Callable) -> frozenset[str]:
+    return frozenset(inspect.signature(function).parameters)
 
 
 def family_of(model_type: str) -> Family | None:

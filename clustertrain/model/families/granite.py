@@ -17,4 +17,5 @@ def final(stage, hidden):
     return stage.base.norm(hidden) / stage.config.logits_scaling
 
 
-FAMILY = Family(model_types=("granite",), embed=embed, decode=llama.rope_decoder(llama.full_attention), final=final)
+FAMILY = Family(model_types=("granite",), embed=embed, decode=llama.rope_decoder(llama.full_attention), final=final,
+                norms=llama.NORMS)

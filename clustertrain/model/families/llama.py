@@ -58,5 +58,10 @@ def final(stage, hidden):
     return stage.base.norm(hidden)
 
 
+# The norms every model here names alike (olmo2 norms after attention and the MLP, not before: its names are
+# among these); qk-norms inside attention see the gathered sequence and stay as they are.
+NORMS = ("layers.*.input_layernorm", "layers.*.post_attention_layernorm", "layers.*.post_feedforward_layernorm",
+         "norm")
+
 FAMILY = Family(model_types=tuple(MASK_KIND), embed=embed, final=final,
-                decode=rope_decoder(lambda config, index: MASK_KIND[config.model_type](config, index)))
+                decode=rope_decoder(lambda config, index: MASK_KIND[config.model_type](config, index)), norms=NORMS)

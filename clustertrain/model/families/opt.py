@@ -61,4 +61,8 @@ FAMILY = Family(
         "decoder.layers.*.fc2": "rowwise",
     },
     local_head_counts={_ATTENTION: "num_heads"},
+    # project_in/out (None unless word_embed_proj_dim differs) map each token alone, as norms do
+    norms=("decoder.layers.*.self_attn_layer_norm", "decoder.layers.*.final_layer_norm", "decoder.final_layer_norm",
+           "decoder.project_in", "decoder.project_out"),
+    positions=("decoder.embed_positions",),
 )

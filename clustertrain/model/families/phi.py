@@ -15,4 +15,5 @@ def final(stage, hidden):
     return stage.base.final_layernorm(hidden)
 
 
-FAMILY = Family(model_types=("phi",), embed=embed, decode=llama.rope_decoder(llama.full_attention), final=final)
+FAMILY = Family(model_types=("phi",), embed=embed, decode=llama.rope_decoder(llama.full_attention), final=final,
+                norms=("layers.*.input_layernorm", "final_layernorm"))

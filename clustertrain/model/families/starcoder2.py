@@ -14,4 +14,4 @@ def embed(stage, input_ids, position_ids):
 
 
 FAMILY = Family(model_types=("starcoder2",), embed=embed, decode=llama.rope_decoder(llama.sliding_if_set),
-                final=llama.final)
+                final=llama.final, norms=llama.NORMS)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from clustertrain.checkpoint.export import import_hf, load_checkpoint_model
-from clustertrain.checkpoint.meta import export_meta, import_meta, read_pth
+from clustertrain.checkpoint.meta import export_meta, import_meta
+from clustertrain.model.weights import read_pth
 from clustertrain.checkpoint.meta_tokenizer import special_tokens
 from clustertrain.cli import export_cmd
 from clustertrain.errors import CheckpointError, UserError

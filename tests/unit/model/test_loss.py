@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
+from types import SimpleNamespace
 
 import peft
 import pytest
@@ -19,7 +21,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 from clustertrain.data.pack import IGNORE_INDEX
 from clustertrain.parallel.stages import build_stage
 from clustertrain.model.loss import (
-    LossHead, apply_loss_head, chunked_loss_sum, full_loss_sum, output_loss_sum, resolve_loss, token_loss_sum,
+    LossHead, VocabShard, apply_loss_head, chunked_loss_sum, full_loss_sum, output_loss_sum, resolve_loss,
+    sharded_loss_sum, token_loss_sum,
 )
 
 N, H, V = 37, 16, 50  # a chunk of 8 rows does not divide 37
@@ -290,3 +293,87 @@ def test_the_last_pipeline_stage_computes_the_loss_from_its_labels():
     assert loss.shape == (1,)  # one element per microbatch: the schedule concatenates them
     assert_relative(output_loss_sum(loss, labels), expected, rel=1e-5)
     assert last(*outputs).shape == (2, 24, 512)  # without labels: logits
+
+
+# ---- the loss over vocabulary shards (tp): the math on split tensors, one thread per shard --------------------------
+class ThreadShard(VocabShard):
+    """Shard `index` of a vocabulary split `n` ways, computed by one thread of n: its all-reduces meet the other
+    threads' at a barrier (what gloo does between tp ranks, in one process). The reductions are real."""
+
+    def __init__(self, start: int, index: int, slots: list, barrier: threading.Barrier):
+        super().__init__(start, None)
+        self.index, self.slots, self.barrier = index, slots, barrier
+
+    def max(self, tensor):
+        return self._reduce(tensor, torch.maximum)
+
+    def sum(self, tensor):
+        return self._reduce(tensor, torch.add)
+
+    def _reduce(self, tensor, op):
+        self.slots[self.index] = tensor.clone()
+        self.barrier.wait()
+        result = self.slots[0]
+        for other in self.slots[1:]:
+            result = op(result, other)
+        self.barrier.wait()  # every thread has read the slots before any writes the next reduction's
+        return tensor.copy_(result)
+
+
+def over_shards(parts: int, fn) -> list:
+    """`fn(shard, rows)` on `parts` threads, one per torch.chunk of the vocabulary; each one's result."""
+    sizes = [len(rows) for rows in torch.arange(V).chunk(parts)]
+    starts = [sum(sizes[:i]) for i in range(parts)]
+    slots, barrier, results = [None] * parts, threading.Barrier(parts), [None] * parts
+
+    def run(i):
+        results[i] = fn(ThreadShard(starts[i], i, slots, barrier), slice(starts[i], starts[i] + sizes[i]))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(parts)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert all(r is not None for r in results), "a shard's thread failed"
+    return results
+
+
+@pytest.mark.parametrize("parts", [2, 3])  # 50 rows in 3 shards: 17 + 17 + 16
+@pytest.mark.parametrize("form", ["chunked", "full", "chunked_frozen_head"])
+def test_the_loss_over_vocabulary_shards_equals_the_full_loss(parts, form):
+    """Every shard computes the whole loss; each shard's weight and bias gradients are its rows of the full ones,
+    and the hidden gradients of the shards sum to the full one (a Partial DTensor's, reduced by the head's input)."""
+    hidden, weight, bias, labels = inputs(bias=True, frozen_weight=form == "chunked_frozen_head")
+    labels[0] = V - 1  # a target in the last shard, and in the first
+    labels[1] = 0
+    ref_loss, ref_grads = loss_and_grads(full, hidden, weight, bias, labels)
+
+    def shard_loss(shard, rows):
+        h = hidden.detach().clone().requires_grad_()
+        w = weight.detach()[rows].clone().requires_grad_(weight.requires_grad)
+        b = bias.detach()[rows].clone().requires_grad_()
+        if form == "full":
+            loss = sharded_loss_sum(F.linear(h, w, b), labels, shard)
+        else:
+            loss = chunked_loss_sum(h, w, b, labels, chunk_tokens=8, shard=shard)
+        return loss.detach(), torch.autograd.grad(loss * 3.0, [t for t in (h, w, b) if t.requires_grad])
+
+    results = over_shards(parts, shard_loss)
+    for loss, _ in results:
+        assert_relative(loss, ref_loss)
+    assert_relative(sum(grads[0] for _, grads in results), ref_grads[0], rel=1e-5)
+    for reference, shards in zip(ref_grads[1:], list(zip(*(grads for _, grads in results)))[1:]):
+        assert_relative(torch.cat(shards), reference, rel=1e-5)
+
+
+def test_a_shard_starts_where_torch_chunk_cuts_the_vocabulary():
+    """A split head's shard starts at its rank's torch.chunk of the vocabulary, as DTensor's Shard(0) cuts it (uneven
+    when tp does not divide it: 50 rows in 4 shards of 13, 13, 13 and 11)."""
+    def mesh(rank):
+        return SimpleNamespace(ndim=1, size=lambda: 4, get_local_rank=lambda: rank, get_group=lambda: None)
+
+    from torch.distributed.tensor import Shard
+
+    starts = [VocabShard.of(SimpleNamespace(device_mesh=mesh(r), placements=(Shard(0),), shape=(50, H))).start
+              for r in range(4)]
+    assert starts == [int(rows[0]) for rows in torch.arange(50).chunk(4)] == [0, 13, 26, 39]

@@ -81,3 +81,16 @@ def test_strategy_auto_settles_on_the_layout_the_planner_chose_and_names_it():
 
     fixed = resolve(load_checked_config(None, [*TINY, "parallel.strategy=zero3"]), 2, 2, "cpu")
     assert fixed.choice is None  # a configured layout is checked, not chosen
+
+
+@pytest.mark.parametrize("version, pp, refused", [("4.57.6", 2, True), ("4.57.6", 1, False), ("5.0.0", 2, False)])
+def test_pipeline_stages_under_transformers_4_are_one_line(version, pp, refused):
+    from clustertrain.errors import ConfigError
+    from clustertrain.resolve.packages import check_pipeline_transformers
+
+    config = load_checked_config(None, [*TINY, f"parallel.pp={pp}"])
+    if not refused:
+        check_pipeline_transformers(config, version)
+        return
+    with pytest.raises(ConfigError, match=r"^parallel.pp = 2 needs transformers 5 or newer \(installed: 4.57.6\)"):
+        check_pipeline_transformers(config, version)
