@@ -2,7 +2,8 @@
 
 How long `clustertrain plan` takes, and how much memory, for the largest layouts issue 24 names, each in a fresh
 process (start-up included): Llama-3-8B at 5,120 ranks (dp_replicate 20 × dp_shard 32 × tp 8) and Llama-3-70B at
-1,024 ranks (dp_shard 128 × tp 8), both on Frontier's GCDs. Prints wall time, peak resident memory and the plan's
+1,024 ranks (dp_shard 128 × tp 8), both on Frontier's GCDs; the 8B one is the layout and batch of the Frontier
+user's 640-node run (seeds/001: 21 sequences of 8,192 on each data-parallel rank, full checkpointing). Prints wall time, peak resident memory and the plan's
 peak memory per rank and step time.
 """
 
@@ -19,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = {
     "Llama-3-8B, 5,120 ranks": ["configs/frontier-llama3-8b.yaml", "--nodes", "640", "--set", "parallel.tp=8",
                                 "--set", "parallel.dp_replicate=20", "--set", "parallel.dp_shard=32",
-                                "--set", "train.global_batch_size=640"],
+                                "--set", "parallel.strategy=hybrid_zero3", "--set", "train.micro_batch_size=21",
+                                "--set", "train.global_batch_size=13440"],  # seeds/001: 21 sequences a dp rank
     "Llama-3-70B, 1,024 ranks": ["bench/configs/llama3-70b-frontier.yaml", "--nodes", "128"],
 }
 

@@ -56,7 +56,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     from clustertrain.launch.presets import load_preset
-    from clustertrain.plan.plan import make_plan
+    from clustertrain.plan.plan import make_plan, without_sequence_parallel
     from clustertrain.plan.target import TargetRequest, target_for
     from clustertrain.resolve.load import load_checked_config
     from clustertrain.resolve.run import resolve
@@ -75,6 +75,9 @@ def run_plan(args: argparse.Namespace) -> int:
     plan = make_plan(run.config, run.layout, target.device.per_node, target.device)
     if run.choice:
         print(run.choice.line)
+    cost = without_sequence_parallel(plan)
+    if cost:
+        print(cost, file=sys.stderr)
     if args.plot:
         from clustertrain.plan.picture import draw
 

@@ -11,9 +11,9 @@ Memory comes from building and stepping one rank of each pipeline stage under a 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
-from clustertrain.config.layout import Layout
+from clustertrain.config.layout import Layout, sequence_parallel_for
 from clustertrain.config.schema import RunConfig
 from clustertrain.model.spec import model_shape
 from clustertrain.plan.cost import Device, Traffic, bubble, recompute_factor, traffic
@@ -115,6 +115,24 @@ def make_plan(config: RunConfig, layout: Layout, per_node: int, device: Device) 
     if device.peak_flops:
         plan.compute_s = plan.flops_per_rank / (device.peak_flops * device.efficiency)
     return plan
+
+
+def without_sequence_parallel(plan: Plan) -> str | None:
+    """One line on what a tp layout planned without sequence parallelism costs: each tp rank keeps the whole
+    sequence between blocks. Where it could run, the same layout is planned with it for the difference; None
+    for a layout with it, or without tp."""
+    config, layout = plan.config, plan.layout
+    if layout.degree("tp") == 1 or layout.sequence_parallel:
+        return None
+    forced = config.model_copy(update={"parallel": config.parallel.model_copy(update={"sequence_parallel": True})})
+    _, problems = sequence_parallel_for(forced, model_shape(config.model, config.data.vocab_size))
+    if problems:
+        return (f"plan: without sequence parallelism each of the {layout.degree('tp')} tp ranks keeps the whole "
+                f"sequence between blocks, which cannot be split here: {problems[0]}")
+    split = make_plan(config, replace(layout, sequence_parallel=True), plan.per_node, plan.device)
+    return (f"plan: without sequence parallelism each of the {layout.degree('tp')} tp ranks keeps the whole "
+            f"sequence between blocks: peak {plan.peak_bytes / GB:.2f} GB a rank, against "
+            f"{split.peak_bytes / GB:.2f} GB with parallel.sequence_parallel: true")
 
 
 def measure_stage(config: RunConfig, layout: Layout, rank: int) -> RankBytes:

@@ -140,8 +140,9 @@ def test_planning_leaves_no_trace_in_a_rank_that_then_trains(tmp_path):
 
 
 def test_the_largest_plans_complete_on_this_cpu_in_little_memory():
-    """Llama-3-8B at 5,120 ranks and Llama-3-70B at 1,024 (bench/plan.py, which prints their time: about 8 s each
-    on a 2-core machine, against 20 s asked) plan in well under 2 GB, start-up included."""
+    """Llama-3-8B at 5,120 ranks (the Frontier user's 640-node layout and batch) and Llama-3-70B at 1,024
+    (bench/plan.py, which prints their time: about 8 s each on a 2-core machine, against 20 s asked) plan in well
+    under 2 GB, start-up included, and fit a 64 GB GCD."""
     bench = Path(__file__).resolve().parents[2] / "bench" / "plan.py"
     result = subprocess.run([sys.executable, str(bench)], capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -149,4 +150,4 @@ def test_the_largest_plans_complete_on_this_cpu_in_little_memory():
     assert len(rows) == 2 and all("failed" not in row for row in rows), result.stdout
     for row in rows:
         rss_gib, peak_gb = float(row[-5]), float(row[-3])
-        assert rss_gib < 2.0 and 1 < peak_gb < 64, result.stdout
+        assert rss_gib < 2.0 and 1 < peak_gb < 0.9 * 64, result.stdout  # fits a 64 GB GCD with its headroom
